@@ -1,0 +1,74 @@
+"""kvstore: a persistent, parallel-layout-agnostic KV-cache store on zarr v3.
+
+The public API, in the order a user meets it::
+
+    from kvstore import KVStore, StoreConfig, load_model, BlockWrite, BlockRead
+
+    with KVStore(StoreConfig(root="kvcache")) as store:
+        ns = store.namespace(load_model("llama-3.1-8b").identity(tokens_per_block=16))
+        g = ns.group(0)
+        g.write_blocks([BlockWrite(block_hash, data, parent_hash)])
+        n = g.longest_prefix(chain_hashes)
+        g.read_blocks([BlockRead(block_hash, out_buffer)])
+"""
+
+from kvstore.config import StoreConfig
+from kvstore.errors import (
+    BlockError,
+    ConfigError,
+    CorruptBlockError,
+    IdentityMismatchError,
+    KvstoreError,
+    LayoutError,
+    StoreFormatError,
+    StoreIOError,
+)
+from kvstore.identity import GroupSpec, Identity
+from kvstore.models import ModelGeometry, load_model, model_names
+from kvstore.store.format import ShardLayout
+from kvstore.store.group_store import GroupStore
+from kvstore.store.page_store import KVStore, Namespace
+from kvstore.store.types import (
+    BlockRead,
+    BlockWrite,
+    ChunkWrite,
+    PendingBlock,
+    RangeWrite,
+    ReadResult,
+    ReadStatus,
+    WriteResult,
+    WriteStatus,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockError",
+    "BlockRead",
+    "BlockWrite",
+    "ChunkWrite",
+    "ConfigError",
+    "CorruptBlockError",
+    "GroupSpec",
+    "GroupStore",
+    "Identity",
+    "IdentityMismatchError",
+    "KVStore",
+    "KvstoreError",
+    "LayoutError",
+    "ModelGeometry",
+    "Namespace",
+    "PendingBlock",
+    "RangeWrite",
+    "ReadResult",
+    "ReadStatus",
+    "ShardLayout",
+    "StoreConfig",
+    "StoreFormatError",
+    "StoreIOError",
+    "WriteResult",
+    "WriteStatus",
+    "__version__",
+    "load_model",
+    "model_names",
+]

@@ -1,0 +1,54 @@
+"""The one exception tree of kvstore.
+
+Every error kvstore raises derives from :class:`KvstoreError`, so an engine adapter can catch
+one type at its boundary. Messages say what was expected and what arrived.
+
+Read-path problems with a *block* (missing, short, mis-keyed, corrupt) are normally not raised
+to the caller: the page store turns them into a miss, logs one line and quarantines the file.
+They are exceptions here because the low-level decoders raise them and the page store catches
+them in one place.
+"""
+
+from __future__ import annotations
+
+
+class KvstoreError(Exception):
+    """Base class of every error kvstore raises."""
+
+
+class ConfigError(KvstoreError, ValueError):
+    """A configuration key is unknown, ill-typed or out of range."""
+
+
+class IdentityMismatchError(KvstoreError):
+    """A namespace exists with a stored identity different from the caller's."""
+
+
+class StoreFormatError(KvstoreError):
+    """A store, namespace or array document is not what format v1 prescribes."""
+
+
+class BlockError(KvstoreError):
+    """A block file cannot be served. The page store reports these as misses."""
+
+    reason = "bad block"
+
+
+class BlockMissingError(BlockError):
+    """No published file exists for the requested key."""
+
+    reason = "missing"
+
+
+class CorruptBlockError(BlockError):
+    """A block file is short, mis-keyed, foreign or fails a checksum."""
+
+    reason = "corrupt"
+
+
+class StoreIOError(KvstoreError, OSError):
+    """An operating-system I/O call failed; carries the errno of the failing call."""
+
+
+class LayoutError(KvstoreError, ValueError):
+    """A parallel layout or tensor form cannot be mapped to canonical pages (fail closed)."""

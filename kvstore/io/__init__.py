@@ -1,0 +1,1 @@
+"""I/O engines moving block bytes between memory and files."""

@@ -1,0 +1,238 @@
+"""Host I/O engine: a thread pool doing ``pwritev``/``preadv`` on block files.
+
+Contract of an I/O engine (the GPU engines implement the same):
+
+* :meth:`HostEngine.map` runs a function over many items on the I/O threads and returns the
+  results in order (exceptions are returned, not raised, so one bad block never fails a batch).
+* :meth:`HostEngine.write_file` writes byte segments into a block file at fixed offsets. With
+  ``exclusive=True`` the file is new (``O_EXCL``) and the segments tile ``[0, file_nbytes)``;
+  otherwise the file may already hold other writers' segments. It is then truncated to
+  ``file_nbytes`` and, when the store is durable, fdatasync'ed before the call returns.
+* :meth:`HostEngine.read_file` reads segments of a published file after checking its size.
+
+Writes of new whole files use O_DIRECT when the probe at start-up passed: page-aligned
+buffers are passed straight to the kernel and anything else is copied once into a per-thread
+aligned staging buffer; the file is written to a 4 KiB boundary and truncated to its exact
+size. Partial writes (several writers per file) and reads are buffered: reads with several
+threads beat O_DIRECT reads on the measured disks, and partial writes touch the header page
+that other writers share.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+
+from kvstore.config import StoreConfig
+from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError
+from kvstore.io.buffers import ThreadStaging, aligned_buffer, is_aligned
+from kvstore.io.fileio import DEFAULT_FILEIO, O_DIRECT, FileIO, read_fully, write_fully
+from kvstore.store.format import ALIGN, align_up
+
+log = logging.getLogger("kvstore.io")
+
+T = TypeVar("T")
+R = TypeVar("R")
+Segment = tuple[int, memoryview]  # (file offset, bytes)
+
+
+@dataclass(frozen=True)
+class DirectIOProbe:
+    """Outcome of the O_DIRECT probe of a store directory."""
+
+    enabled: bool
+    reason: str
+
+
+def probe_direct_io(directory: Path, mode: str, fio: FileIO = DEFAULT_FILEIO) -> DirectIOProbe:
+    """Can ``directory`` take aligned O_DIRECT writes and a truncate to an odd size?
+
+    ``mode`` is the config's ``direct_io``: "off" skips the probe, "on" turns a failure into a
+    :class:`ConfigError`, "auto" falls back to buffered writes with one log line.
+    """
+    if mode == "off":
+        return DirectIOProbe(False, "direct_io=off")
+    if not O_DIRECT:
+        result = DirectIOProbe(False, "O_DIRECT is not available on this platform")
+    else:
+        probe = directory / f".kvstore-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        buffer = aligned_buffer(ALIGN)
+        try:
+            fd = fio.open(str(probe), os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_DIRECT)
+            try:
+                fio.pwritev(fd, [buffer.data], 0)
+                fio.ftruncate(fd, ALIGN // 2 + 1)
+            finally:
+                fio.close(fd)
+            result = DirectIOProbe(True, "O_DIRECT probe passed")
+        except OSError as exc:
+            result = DirectIOProbe(False, f"O_DIRECT probe failed in {directory}: {exc}")
+        finally:
+            try:
+                fio.unlink(str(probe))
+            except OSError:
+                pass
+    if not result.enabled:
+        if mode == "on":
+            raise ConfigError(f"direct_io=on: expected O_DIRECT to work, but {result.reason}")
+        log.info("kvstore: buffered writes (%s)", result.reason)
+    return result
+
+
+class HostEngine:
+    """Moves block bytes between host memory and files with a pool of I/O threads."""
+
+    name = "host"
+
+    def __init__(self, config: StoreConfig, fio: FileIO = DEFAULT_FILEIO) -> None:
+        self.config = config
+        self.fio = fio
+        self.direct = probe_direct_io(config.root, config.direct_io, fio)
+        self._threads = config.io_threads
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
+        self._staging = ThreadStaging()
+        self._closed = False
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R | BaseException]:
+        """``fn`` over ``items`` on the I/O threads; results (or the exception) in order."""
+        n = len(items)
+        results: list[R | BaseException] = [None] * n  # type: ignore[list-item]
+        if n == 0:
+            return results
+        if n == 1 or self._threads == 1:
+            for i, item in enumerate(items):
+                results[i] = _call(fn, item)
+            return results
+        counter = itertools.count()  # next() on a count is atomic under the GIL
+
+        def drain() -> None:
+            while (i := next(counter)) < n:
+                results[i] = _call(fn, items[i])
+
+        workers = [self._pool.submit(drain) for _ in range(min(self._threads, n) - 1)]
+        drain()  # the calling thread works too instead of idling
+        for worker in workers:
+            worker.result()
+        return results
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def write_file(
+        self, path: str, segments: Sequence[Segment], file_nbytes: int, *, exclusive: bool
+    ) -> None:
+        """Write ``segments`` into ``path``; see the module docstring for the contract."""
+        if exclusive and self.direct.enabled:
+            self._write_new_direct(path, segments, file_nbytes)
+            return
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else 0)
+        fd = self.fio.open(path, flags)
+        try:
+            for offset, buffers in _coalesce(segments):
+                write_fully(self.fio, fd, buffers, offset)
+            self.fio.ftruncate(fd, file_nbytes)
+            if self.config.durable:
+                self.fio.fdatasync(fd)
+        finally:
+            self.fio.close(fd)
+
+    def _write_new_direct(self, path: str, segments: Sequence[Segment], file_nbytes: int) -> None:
+        """O_DIRECT write of a whole new file: aligned pieces go straight, the rest is staged."""
+        padded = align_up(file_nbytes)
+        staging = self._staging.get(padded)
+        iovecs: list[memoryview] = []
+        stage_start = stage_end = 0  # staged bytes not yet turned into an iovec
+        position = 0
+        for offset, data in segments:
+            if offset != position:
+                raise ValueError(f"exclusive write: segments must tile the file, gap at {position}")
+            if stage_end == stage_start and offset % ALIGN == 0 and is_aligned(data):
+                iovecs.append(data)
+            else:
+                if stage_end == stage_start:
+                    stage_start = stage_end = offset  # staging mirrors file offsets
+                staging[stage_end : stage_end + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                stage_end += len(data)
+                if stage_end % ALIGN == 0:
+                    iovecs.append(staging[stage_start:stage_end].data)
+                    stage_start = stage_end
+            position = offset + len(data)
+        if position != file_nbytes:
+            raise ValueError(f"exclusive write: segments end at {position}, file is {file_nbytes}")
+        if stage_end != stage_start:
+            staging[stage_end:padded] = 0  # deterministic bytes past the end (truncated away)
+            iovecs.append(staging[stage_start:padded].data)
+        fd = self.fio.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT)
+        try:
+            write_fully(self.fio, fd, iovecs, 0)
+            if padded != file_nbytes:
+                self.fio.ftruncate(fd, file_nbytes)
+            if self.config.durable:
+                self.fio.fdatasync(fd)
+        finally:
+            self.fio.close(fd)
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read_file(self, path: str, segments: Sequence[Segment], file_nbytes: int) -> None:
+        """Fill ``segments`` from published file ``path`` of expected size ``file_nbytes``.
+
+        Raises :class:`BlockMissingError` if it does not exist and :class:`CorruptBlockError`
+        if its size is wrong or a read comes back short.
+        """
+        try:
+            fd = self.fio.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise BlockMissingError(path) from None
+        try:
+            size = self.fio.fstat_size(fd)
+            if size != file_nbytes:
+                raise CorruptBlockError(f"file size: expected {file_nbytes} bytes, got {size}")
+            for offset, buffers in _coalesce(segments):
+                want = sum(len(b) for b in buffers)
+                got = read_fully(self.fio, fd, buffers, offset)
+                if got != want:
+                    raise CorruptBlockError(f"short read at {offset}: expected {want}, got {got}")
+        finally:
+            self.fio.close(fd)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+
+    def describe(self) -> str:
+        """One line naming the engine and its write mode."""
+        mode = "O_DIRECT writes" if self.direct.enabled else "buffered writes"
+        return f"host engine, {self._threads} threads, {mode} ({self.direct.reason})"
+
+
+def _call(fn: Callable[[T], R], item: T) -> R | BaseException:
+    try:
+        return fn(item)
+    except Exception as exc:
+        return exc
+
+
+def _coalesce(segments: Sequence[Segment]) -> list[tuple[int, list[memoryview]]]:
+    """Group file-contiguous segments into (offset, buffers) runs for one vectored call each."""
+    runs: list[tuple[int, list[memoryview]]] = []
+    end = -1
+    for offset, data in segments:
+        if offset == end:
+            runs[-1][1].append(data)
+        else:
+            runs.append((offset, [data]))
+        end = offset + len(data)
+    return runs
+

@@ -1,0 +1,1 @@
+"""Format v1 and the page store (DESIGN.md §3-5)."""

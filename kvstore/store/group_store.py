@@ -1,0 +1,578 @@
+"""Block operations on one KV-cache group array: the hot path of kvstore.
+
+Contract (every method takes and returns batches; one bad block never fails its batch):
+
+* :meth:`GroupStore.contains` - which hashes have a published block.
+* :meth:`GroupStore.longest_prefix` - how many leading blocks of a hash chain are present.
+* :meth:`GroupStore.write_blocks` - write whole blocks from host memory, publish atomically.
+* :meth:`GroupStore.begin_blocks`, :meth:`write_chunks`, :meth:`write_ranges`,
+  :meth:`commit_blocks`, :meth:`abort_blocks` - the multi-writer protocol of DESIGN.md §4:
+  every writer (rank) fills the same temporary file at fixed offsets, one party publishes.
+* :meth:`GroupStore.read_blocks` - read whole blocks or chosen inner chunks (heads x layers)
+  into caller buffers, touching only those byte ranges; every read verifies the header against
+  the key and each chunk against its checksum. A missing, short, mis-keyed, foreign or corrupt
+  block is a miss: one log line, counted, quarantined, never served.
+* :meth:`GroupStore.delete_blocks`, :meth:`iter_blocks`, :meth:`read_header`.
+
+Published block files are immutable: they appear by ``rename`` of a complete, synced temporary
+file and are only ever removed, so a reader never sees a partial block. A crash leaves only
+``*.tmp-*`` files, which the admin CLI sweeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.checksum import checksum_chunks, checksum_function, checksum_id
+from kvstore.errors import BlockMissingError, CorruptBlockError, KvstoreError, StoreFormatError
+from kvstore.identity import GroupSpec
+from kvstore.io.host import HostEngine, Segment
+from kvstore.keys import check_hash, chunk_key
+from kvstore.store import format as fmt
+from kvstore.store.format import BlockHeader, ShardLayout
+from kvstore.store.lookup import longest_present_prefix
+from kvstore.store.types import (
+    BlockRead,
+    BlockWrite,
+    ChunkWrite,
+    PendingBlock,
+    RangeWrite,
+    ReadResult,
+    ReadStatus,
+    StoreStats,
+    WriteResult,
+    WriteStatus,
+)
+
+log = logging.getLogger("kvstore")
+
+TMP_MARK = ".tmp-"
+_ZEROS = memoryview(bytes(fmt.ALIGN))
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    """A published block file found by :meth:`GroupStore.iter_blocks`."""
+
+    path: Path
+    hash_hi: int
+    hash_lo: int
+    nbytes: int
+    mtime_ns: int
+
+
+class GroupStore:
+    """Blocks of one KV-cache group (array ``g<index>``) of one namespace."""
+
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        namespace_digest: bytes,
+        index: int,
+        spec: GroupSpec,
+        layout: ShardLayout,
+        array_path: Path,
+        engine: HostEngine,
+        leading_dims: int,
+        stats: StoreStats,
+        checksum: str,
+        verify_reads: bool,
+        quarantine_dir: Path | None,
+    ) -> None:
+        self.namespace = namespace
+        self.namespace_digest = namespace_digest
+        self.index = index
+        self.spec = spec
+        self.layout = layout
+        self.array_path = array_path
+        self.engine = engine
+        self.stats = stats
+        self._leading_dims = leading_dims
+        self._checksum_algo = checksum_id(checksum)
+        self._verify = verify_reads
+        self._quarantine_dir = quarantine_dir
+        self._fio = engine.fio
+        self._array_prefix = str(array_path) + os.sep
+
+    # -- naming ------------------------------------------------------------------------------
+
+    def path_of(self, block_hash: bytes) -> str:
+        """Absolute path of the block's published shard file."""
+        return self._array_prefix + chunk_key(block_hash, self._leading_dims)
+
+    def fanout_dir(self, hash_hi: int) -> Path:
+        """Directory holding the shard files whose hash starts with byte ``hash_hi``."""
+        return self.array_path.joinpath("c", *(["0"] * self._leading_dims), str(hash_hi))
+
+    # -- lookup ------------------------------------------------------------------------------
+
+    def contains(self, hashes: Sequence[bytes]) -> list[bool]:
+        """For each hash, whether a published block exists (no content check)."""
+        exists = self._fio.exists
+        found = [exists(self.path_of(check_hash(h))) for h in hashes]
+        self.stats.add(probes=len(hashes))
+        return found
+
+    def longest_prefix(self, chain: Sequence[bytes]) -> int:
+        """Number of leading blocks of ``chain`` (hashes of consecutive blocks) present.
+
+        Binary search over existence probes, relying on chains being prefix-closed (eviction
+        removes leaves first), then verified: positions spaced exponentially below the answer
+        are probed too, and a hole found there shortens the answer. O(log n) probes.
+        """
+        exists = self._fio.exists
+        probes = 0
+
+        def present(i: int) -> bool:
+            nonlocal probes
+            probes += 1
+            return exists(self.path_of(check_hash(chain[i])))
+
+        result = longest_present_prefix(len(chain), present)
+        self.stats.add(lookups=1, probes=probes)
+        return result
+
+    # -- whole-block writes ------------------------------------------------------------------
+
+    def write_blocks(self, writes: Sequence[BlockWrite]) -> list[WriteResult]:
+        """Write and publish whole blocks; blocks already present are skipped (EXISTS)."""
+        results = self.engine.map(self._write_one, writes)
+        return self._finish_writes(results, [w.block_hash for w in writes])
+
+    def _write_one(self, req: BlockWrite) -> tuple[WriteStatus, str | None]:
+        block_hash = check_hash(req.block_hash)
+        final = self.path_of(block_hash)
+        if self._fio.exists(final):
+            return WriteStatus.EXISTS, None
+        layout = self.layout
+        data = _byte_view(req.data)
+        if len(data) != layout.block_nbytes:
+            raise KvstoreError(
+                f"block data: expected {layout.block_nbytes} bytes, got {len(data)}"
+            )
+        sums = checksum_chunks(self._checksum_algo, data, layout.chunk_nbytes, layout.num_chunks)
+        header = self._header(block_hash, req.parent_hash, time.time_ns(), sums)
+        segments: list[Segment] = [(0, memoryview(header))]
+        if layout.dense:
+            segments.append((layout.data_offset, data))
+        else:
+            pad = _ZEROS[: layout.chunk_stride - layout.chunk_nbytes]
+            for c in range(layout.num_chunks):
+                start = c * layout.chunk_nbytes
+                segments.append((layout.chunk_offset(c), data[start : start + layout.chunk_nbytes]))
+                segments.append((layout.chunk_offset(c) + layout.chunk_nbytes, pad))
+        segments.append((layout.data_end, memoryview(layout.index_bytes)))
+        tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:16]}"
+        self._write_with_dir(tmp, segments, exclusive=True)
+        try:
+            self._fio.rename(tmp, final)
+        except BaseException:
+            self._remove_quietly(tmp)
+            raise
+        return WriteStatus.WRITTEN, os.path.dirname(final)
+
+    def _header(
+        self, block_hash: bytes, parent: bytes | None, created_ns: int, sums: Sequence[int]
+    ) -> bytearray:
+        header = bytearray(self.layout.header_nbytes)
+        fixed = self._fixed_header(block_hash, parent, created_ns, self._checksum_algo)
+        header[: len(fixed)] = fixed
+        slots = fmt.encode_checksums(list(sums))
+        header[fmt.HEADER_FIXED_NBYTES : fmt.HEADER_FIXED_NBYTES + len(slots)] = slots
+        return header
+
+    def _fixed_header(
+        self, block_hash: bytes, parent: bytes | None, created_ns: int, algo: int
+    ) -> bytes:
+        return fmt.encode_fixed_header(
+            self.layout,
+            self.namespace_digest,
+            self.index,
+            block_hash,
+            check_hash(parent) if parent is not None else None,
+            algo,
+            created_ns,
+        )
+
+    def _write_with_dir(self, path: str, segments: Sequence[Segment], *, exclusive: bool) -> None:
+        """engine.write_file, creating the fan-out directory if it was removed."""
+        try:
+            self.engine.write_file(path, segments, self.layout.file_nbytes, exclusive=exclusive)
+        except FileNotFoundError:
+            self._fio.makedirs(os.path.dirname(path))
+            self.engine.write_file(path, segments, self.layout.file_nbytes, exclusive=exclusive)
+
+    def _finish_writes(
+        self,
+        results: Sequence[tuple[WriteStatus, str | None] | BaseException],
+        hashes: Sequence[bytes],
+    ) -> list[WriteResult]:
+        """Fsync the directories of published blocks (once each), count, log failures."""
+        out: list[WriteResult] = []
+        dirs: set[str] = set()
+        failures: list[str] = []
+        for result, block_hash in zip(results, hashes, strict=True):
+            if isinstance(result, BaseException):
+                message = f"{type(result).__name__}: {result}"
+                failures.append(f"{_short(block_hash)} ({message})")
+                out.append(WriteResult(WriteStatus.FAILED, message))
+                continue
+            status, directory = result
+            if status is WriteStatus.WRITTEN and directory is not None:
+                dirs.add(directory)
+            out.append(WriteResult(status))
+        if dirs and self.engine.config.durable:
+            synced = self.engine.map(self._fio.fsync_dir, sorted(dirs))
+            errors = [e for e in synced if isinstance(e, BaseException)]
+            if errors:
+                # The renames happened but may not survive a power loss: report them failed.
+                message = f"directory fsync failed: {errors[0]}"
+                out = [
+                    WriteResult(WriteStatus.FAILED, message) if r.status is WriteStatus.WRITTEN else r
+                    for r in out
+                ]
+                failures.append(message)
+        written = sum(r.status is WriteStatus.WRITTEN for r in out)
+        self.stats.add(
+            blocks_written=written,
+            blocks_existing=sum(r.status is WriteStatus.EXISTS for r in out),
+            write_failures=sum(r.status is WriteStatus.FAILED for r in out),
+            bytes_written=written * self.layout.block_nbytes,
+        )
+        if failures:
+            log.warning(
+                "kvstore: %d of %d block writes failed in %s/g%d, first: %s",
+                len(failures), len(hashes), self.namespace, self.index, failures[0],
+            )
+        return out
+
+    # -- multi-writer protocol ----------------------------------------------------------------
+
+    def begin_blocks(
+        self, hashes: Sequence[bytes], parents: Sequence[bytes | None] | None = None
+    ) -> list[PendingBlock]:
+        """Descriptors of new pending blocks (no I/O); hand each to every writer of the block."""
+        parent_list = parents if parents is not None else [None] * len(hashes)
+        now = time.time_ns()
+        return [
+            PendingBlock(
+                namespace=self.namespace,
+                group=self.index,
+                block_hash=check_hash(h),
+                parent_hash=check_hash(p) if p is not None else None,
+                token=uuid.uuid4().hex[:16],
+                created_ns=now,
+                checksum_algo=self._checksum_algo,
+            )
+            for h, p in zip(hashes, parent_list, strict=True)
+        ]
+
+    def temp_path(self, pending: PendingBlock) -> str:
+        """The temporary file all writers of ``pending`` fill."""
+        self._check_pending(pending)
+        return f"{self.path_of(pending.block_hash)}{TMP_MARK}{pending.token}"
+
+    def write_chunks(self, writes: Sequence[ChunkWrite]) -> list[BaseException | None]:
+        """Each writer's whole inner chunks, with their checksums, into the pending files.
+
+        Returns, per item, None or the error (the caller then aborts the block).
+        """
+        return [r if isinstance(r, BaseException) else None for r in self.engine.map(self._write_chunks_one, writes)]
+
+    def _write_chunks_one(self, item: ChunkWrite) -> None:
+        layout = self.layout
+        pending = item.pending
+        data = _byte_view(item.data)
+        chunks = list(item.chunks)
+        if len(data) != len(chunks) * layout.chunk_nbytes:
+            raise KvstoreError(
+                f"chunk data: expected {len(chunks)} x {layout.chunk_nbytes} bytes, got {len(data)}"
+            )
+        if any(not 0 <= c < layout.num_chunks for c in chunks):
+            raise KvstoreError(f"chunk numbers: expected 0..{layout.num_chunks - 1}, got {chunks}")
+        sums = checksum_chunks(pending.checksum_algo, data, layout.chunk_nbytes, len(chunks))
+        segments = self._shared_segments(pending)
+        segments.extend(self._chunk_segments(chunks, data))
+        for run_start, run_end in _consecutive_runs(chunks):
+            slots = fmt.encode_checksums(sums[run_start:run_end])
+            segments.append((fmt.checksum_slot_offset(chunks[run_start]), memoryview(slots)))
+        segments.sort(key=lambda s: s[0])
+        self._write_with_dir(self.temp_path(pending), segments, exclusive=False)
+
+    def write_ranges(self, writes: Sequence[RangeWrite]) -> list[BaseException | None]:
+        """Each writer's byte ranges inside inner chunks; checksums are computed at commit."""
+        return [r if isinstance(r, BaseException) else None for r in self.engine.map(self._write_ranges_one, writes)]
+
+    def _write_ranges_one(self, item: RangeWrite) -> None:
+        layout = self.layout
+        segments = self._shared_segments(item.pending)
+        for offset, buffer in item.ranges:
+            data = _byte_view(buffer)
+            chunk, within = divmod(offset, layout.chunk_nbytes)
+            if chunk >= layout.num_chunks or within + len(data) > layout.chunk_nbytes or offset < 0:
+                raise KvstoreError(
+                    f"range write [{offset}, +{len(data)}): expected it inside one inner chunk of "
+                    f"{layout.chunk_nbytes} bytes within a {layout.block_nbytes}-byte block"
+                )
+            segments.append((layout.chunk_offset(chunk) + within, data))
+        segments.sort(key=lambda s: s[0])
+        self._write_with_dir(self.temp_path(item.pending), segments, exclusive=False)
+
+    def _shared_segments(self, pending: PendingBlock) -> list[Segment]:
+        """The bytes every writer writes identically: the fixed header and the index."""
+        self._check_pending(pending)
+        fixed = self._fixed_header(
+            pending.block_hash, pending.parent_hash, pending.created_ns, pending.checksum_algo
+        )
+        return [(0, memoryview(fixed)), (self.layout.data_end, memoryview(self.layout.index_bytes))]
+
+    def commit_blocks(
+        self,
+        pendings: Sequence[PendingBlock],
+        checksum_chunks: Sequence[Sequence[int]] | None = None,
+    ) -> list[WriteResult]:
+        """Publish pending blocks whose writers all finished.
+
+        ``checksum_chunks[i]`` lists the inner chunks of ``pendings[i]`` written by ranges
+        (several writers): their checksums are computed now. A block is published only if its
+        file has the right size, a valid header for this key, and a checksum in every slot;
+        otherwise it is discarded (FAILED) and never becomes visible.
+        """
+        todo = checksum_chunks if checksum_chunks is not None else [()] * len(pendings)
+        results = self.engine.map(self._commit_one, list(zip(pendings, todo, strict=True)))
+        return self._finish_writes(results, [p.block_hash for p in pendings])
+
+    def _commit_one(self, item: tuple[PendingBlock, Sequence[int]]) -> tuple[WriteStatus, str | None]:
+        pending, chunks = item
+        tmp = self.temp_path(pending)
+        final = self.path_of(pending.block_hash)
+        try:
+            if self._fio.exists(final):
+                self._remove_quietly(tmp)
+                return WriteStatus.EXISTS, None
+            self._complete_checksums(tmp, pending, chunks)
+            self._fio.rename(tmp, final)
+        except BaseException:
+            self._remove_quietly(tmp)
+            raise
+        return WriteStatus.WRITTEN, os.path.dirname(final)
+
+    def _complete_checksums(self, tmp: str, pending: PendingBlock, chunks: Sequence[int]) -> None:
+        """Fill checksum slots of range-written chunks, then check the file is complete."""
+        layout = self.layout
+        header = bytearray(layout.header_nbytes)
+        chunk_bufs = [bytearray(layout.chunk_nbytes) for _ in chunks]
+        segments = [(0, memoryview(header))] + [
+            (layout.chunk_offset(c), memoryview(b)) for c, b in zip(chunks, chunk_bufs, strict=True)
+        ]
+        self.engine.read_file(tmp, segments, layout.file_nbytes)
+        check_header_for(fmt.decode_header(header), self, pending.block_hash)
+        slots = fmt.decode_checksums(header, layout.num_chunks).copy()
+        if chunks:
+            fn = checksum_function(pending.checksum_algo)
+            writes: list[Segment] = []
+            for c, buf in zip(chunks, chunk_bufs, strict=True):
+                slots[c] = fn(memoryview(buf))
+                writes.append((fmt.checksum_slot_offset(c), memoryview(fmt.encode_checksums([int(slots[c])]))))
+            self.engine.write_file(tmp, writes, layout.file_nbytes, exclusive=False)
+        missing = np.flatnonzero(slots == 0)
+        if len(missing):
+            raise KvstoreError(
+                f"incomplete block: {len(missing)} of {layout.num_chunks} inner chunks were never "
+                f"written (first: chunk {int(missing[0])})"
+            )
+
+    def abort_blocks(self, pendings: Sequence[PendingBlock]) -> None:
+        """Remove the temporary files of pending blocks that will not be committed."""
+        for pending in pendings:
+            self._remove_quietly(self.temp_path(pending))
+
+    def _check_pending(self, pending: PendingBlock) -> None:
+        if pending.namespace != self.namespace or pending.group != self.index:
+            raise KvstoreError(
+                f"pending block belongs to {pending.namespace}/g{pending.group}, "
+                f"not {self.namespace}/g{self.index}"
+            )
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def read_blocks(self, reads: Sequence[BlockRead]) -> list[ReadResult]:
+        """Read and verify blocks into the callers' buffers; failures are misses."""
+        outcomes = self.engine.map(self._read_one, reads)
+        results: list[ReadResult] = []
+        hits = misses = corrupt = errors = nbytes = 0
+        for outcome, req in zip(outcomes, reads, strict=True):
+            if isinstance(outcome, BaseException):
+                result = self._read_failure(outcome, req.block_hash)
+            else:
+                nbytes += outcome
+                result = ReadResult(ReadStatus.HIT)
+            hits += result.status is ReadStatus.HIT
+            misses += result.status is ReadStatus.MISS
+            corrupt += result.status is ReadStatus.CORRUPT
+            errors += result.status is ReadStatus.ERROR
+            results.append(result)
+        self.stats.add(hits=hits, misses=misses, corrupt=corrupt, read_errors=errors, bytes_read=nbytes)
+        return results
+
+    def _read_one(self, req: BlockRead) -> int:
+        block_hash = check_hash(req.block_hash)
+        layout = self.layout
+        chunks = list(range(layout.num_chunks)) if req.chunks is None else list(req.chunks)
+        out = _byte_view(req.out)
+        need = len(chunks) * layout.chunk_nbytes
+        if len(out) < need:
+            raise ValueError(f"read buffer: expected at least {need} bytes, got {len(out)}")
+        if any(not 0 <= c < layout.num_chunks for c in chunks):
+            raise ValueError(f"chunk numbers: expected 0..{layout.num_chunks - 1}, got {chunks}")
+        header = bytearray(layout.header_nbytes)
+        segments: list[Segment] = [(0, memoryview(header)), *self._chunk_segments(chunks, out)]
+        segments.sort(key=lambda s: s[0])
+        self.engine.read_file(self.path_of(block_hash), segments, layout.file_nbytes)
+        decoded = fmt.decode_header(header)
+        check_header_for(decoded, self, block_hash)
+        if self._verify:
+            self._verify_chunks(decoded.checksum_algo, header, chunks, out)
+        return need
+
+    def _chunk_segments(self, chunks: Sequence[int], out: memoryview) -> list[Segment]:
+        """File segments of ``chunks`` whose bytes lie back to back in ``out`` (runs merged)."""
+        layout = self.layout
+        size = layout.chunk_nbytes
+        segments: list[Segment] = []
+        i = 0
+        while i < len(chunks):
+            j = i + 1
+            if layout.dense:  # consecutive chunk numbers are one contiguous file range
+                while j < len(chunks) and chunks[j] == chunks[j - 1] + 1:
+                    j += 1
+            segments.append((layout.chunk_offset(chunks[i]), out[i * size : j * size]))
+            i = j
+        return segments
+
+    def _verify_chunks(
+        self, algo: int, header: bytearray, chunks: Sequence[int], out: memoryview
+    ) -> None:
+        layout = self.layout
+        try:
+            fn = checksum_function(algo)
+        except StoreFormatError as exc:
+            raise CorruptBlockError(str(exc)) from None
+        slots = fmt.decode_checksums(header, layout.num_chunks)
+        size = layout.chunk_nbytes
+        for i, c in enumerate(chunks):
+            if fn(out[i * size : (i + 1) * size]) != slots[c]:
+                raise CorruptBlockError(f"checksum mismatch in inner chunk {c}")
+
+    def _read_failure(self, exc: BaseException, block_hash: bytes) -> ReadResult:
+        if isinstance(exc, BlockMissingError):
+            return ReadResult(ReadStatus.MISS)
+        if isinstance(exc, ValueError | KvstoreError) and not isinstance(exc, CorruptBlockError):
+            raise exc  # a caller bug (bad buffer, bad hash), not a block problem
+        if isinstance(exc, CorruptBlockError):
+            where = self._quarantine(block_hash)
+            log.warning(
+                "kvstore: block %s of %s/g%d is corrupt (%s); served as a miss, %s",
+                _short(block_hash), self.namespace, self.index, exc, where,
+            )
+            return ReadResult(ReadStatus.CORRUPT, str(exc))
+        log.warning(
+            "kvstore: reading block %s of %s/g%d failed (%s); served as a miss",
+            _short(block_hash), self.namespace, self.index, exc,
+        )
+        return ReadResult(ReadStatus.ERROR, str(exc))
+
+    def _quarantine(self, block_hash: bytes) -> str:
+        path = self.path_of(block_hash)
+        if self._quarantine_dir is None:
+            self._remove_quietly(path)
+            return "removed"
+        name = f"g{self.index}-{os.path.basename(os.path.dirname(path))}-{os.path.basename(path)}-{time.time_ns()}"
+        target = self._quarantine_dir / name
+        try:
+            self._fio.makedirs(str(self._quarantine_dir))
+            self._fio.rename(path, str(target))
+        except FileNotFoundError:
+            return "already gone"
+        except OSError as exc:
+            return f"could not quarantine ({exc})"
+        return f"quarantined as {target}"
+
+    def read_header(self, block_hash: bytes) -> tuple[BlockHeader, np.ndarray]:
+        """The verified header and checksum slots of a published block (for tools)."""
+        block_hash = check_hash(block_hash)
+        header = bytearray(self.layout.header_nbytes)
+        self.engine.read_file(self.path_of(block_hash), [(0, memoryview(header))], self.layout.file_nbytes)
+        decoded = fmt.decode_header(header)
+        check_header_for(decoded, self, block_hash)
+        return decoded, fmt.decode_checksums(header, self.layout.num_chunks).copy()
+
+    # -- removal and iteration ---------------------------------------------------------------
+
+    def delete_blocks(self, hashes: Sequence[bytes]) -> int:
+        """Remove published blocks; returns how many existed."""
+        removed = 0
+        for h in hashes:
+            try:
+                self._fio.unlink(self.path_of(check_hash(h)))
+                removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
+
+    def iter_blocks(self) -> Iterator[StoredBlock]:
+        """Every published block file of this group (temporary files skipped), unordered."""
+        for hi in range(256):
+            directory = self.fanout_dir(hi)
+            try:
+                entries = list(os.scandir(directory))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue  # removed while we listed
+                yield StoredBlock(Path(entry.path), hi, int(entry.name), st.st_size, st.st_mtime_ns)
+
+    def _remove_quietly(self, path: str) -> None:
+        try:
+            self._fio.unlink(path)
+        except OSError:
+            pass
+
+
+def check_header_for(header: BlockHeader, group: GroupStore, block_hash: bytes) -> None:
+    """:func:`format.check_header` against a group's identity and layout."""
+    fmt.check_header(header, group.layout, group.namespace_digest, group.index, block_hash)
+
+
+def _consecutive_runs(chunks: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """[start, end) index ranges of ``chunks`` whose numbers increase by one."""
+    start = 0
+    for i in range(1, len(chunks) + 1):
+        if i == len(chunks) or chunks[i] != chunks[i - 1] + 1:
+            yield start, i
+            start = i
+
+
+def _byte_view(buffer: object) -> memoryview:
+    view = memoryview(buffer)  # type: ignore[arg-type]
+    if not view.c_contiguous:
+        raise ValueError("buffer: expected C-contiguous memory")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _short(block_hash: bytes) -> str:
+    return block_hash.hex()[:16]

@@ -1,0 +1,142 @@
+"""The zarr v3 metadata documents of a store: root group, namespace groups, group arrays.
+
+zarr-python builds every document (into an in-memory store), so they are exactly what zarr
+itself would write; kvstore writes them to disk atomically (temporary file, fsync, rename), so
+a server starting concurrently never sees half a document, and two servers creating the same
+namespace at once write identical bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import zarr
+from zarr.storage import MemoryStore
+
+from kvstore.errors import StoreFormatError
+from kvstore.identity import GroupSpec, Identity
+from kvstore.io.fileio import FileIO
+from kvstore.store.format import FORMAT_VERSION, ShardLayout
+
+STORE_ATTRS: dict[str, Any] = {"format": "kvstore", "version": FORMAT_VERSION}
+ZARR_JSON = "zarr.json"
+
+
+def root_document() -> bytes:
+    """The root group's zarr.json."""
+    return _build(lambda st: zarr.open_group(st, mode="w", attributes={"kvstore": STORE_ATTRS}))
+
+
+def namespace_document(identity: Identity) -> bytes:
+    """A namespace group's zarr.json, carrying its identity and digest."""
+    attrs: dict[str, Any] = {"kvstore": {"identity": identity.to_json(), "digest": identity.digest.hex()}}
+    return _build(lambda st: zarr.open_group(st, mode="w", attributes=attrs))
+
+
+def array_document(identity: Identity, index: int) -> bytes:
+    """The zarr.json of array ``g<index>``: one shard per block, one inner chunk per (head, layer)."""
+    group = identity.groups[index]
+    dtype = identity.dtype
+    layout = ShardLayout.for_group(group, identity.tokens_per_block, dtype.itemsize)
+    shape, inner, names = array_geometry(group, identity.tokens_per_block)
+    shard_shape = (*shape[:-2], 1, 1)  # one shard = one block: every dim but the hash dims
+    attrs: dict[str, Any] = {
+        "kvstore": {
+            "dtype": dtype.name,
+            "group": index,
+            "kind": group.kind,
+            "layer_names": list(group.layer_names),
+            "tokens_per_block": identity.tokens_per_block,
+            "shard_header_nbytes": layout.header_nbytes,
+            "chunk_stride": layout.chunk_stride,
+        }
+    }
+    return _build(
+        lambda st: zarr.create_array(
+            st,
+            shape=shape,
+            chunks=inner,
+            shards=shard_shape,
+            dtype=dtype.zarr_dtype,
+            compressors=None,
+            filters=None,
+            fill_value=0,
+            dimension_names=names,
+            attributes=attrs,
+        )
+    )
+
+
+def array_geometry(
+    group: GroupSpec, tokens: int
+) -> tuple[tuple[int, ...], tuple[int, ...], list[str]]:
+    """(shape, inner chunk shape, dimension names) of a group array."""
+    hash_dims = (256, 2**62)
+    shape: tuple[int, ...]
+    inner: tuple[int, ...]
+    if group.kind == "mla":
+        shape = (group.num_layers, tokens, group.latent_dim, *hash_dims)
+        inner = (1, tokens, group.latent_dim, 1, 1)
+        names = ["layer", "token", "latent", "hash_hi", "hash_lo"]
+    else:
+        shape = (group.num_kv_heads, group.num_layers, tokens, 2, group.head_dim, *hash_dims)
+        inner = (1, 1, tokens, 2, group.head_dim, 1, 1)
+        names = ["kv_head", "layer", "token", "kv", "head_dim", "hash_hi", "hash_lo"]
+    return shape, inner, names
+
+
+def leading_dims(group: GroupSpec) -> int:
+    """Dimensions before the two hash dimensions."""
+    return 3 if group.kind == "mla" else 5
+
+
+def _build(create: Any) -> bytes:
+    docs: dict[str, Any] = {}
+    create(MemoryStore(store_dict=docs))
+    (key,) = [k for k in docs if k.endswith(ZARR_JSON)]
+    raw: bytes = docs[key].to_bytes()
+    return raw
+
+
+def write_document(fio: FileIO, directory: Path, content: bytes, durable: bool) -> None:
+    """Atomically write ``directory/zarr.json`` (created with its parents if needed)."""
+    fio.makedirs(str(directory))
+    final = directory / ZARR_JSON
+    tmp = directory / f".{ZARR_JSON}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    fd = fio.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        fio.pwritev(fd, [content], 0)
+        if durable:
+            fio.fdatasync(fd)
+    finally:
+        fio.close(fd)
+    fio.rename(str(tmp), str(final))
+    if durable:
+        fio.fsync_dir(str(directory))
+
+
+def read_document(directory: Path) -> dict[str, Any] | None:
+    """The parsed ``directory/zarr.json``, or None if absent; a format error if unparsable."""
+    path = directory / ZARR_JSON
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StoreFormatError(f"{path}: cannot read ({exc})") from exc
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise StoreFormatError(f"{path}: expected a zarr v3 JSON document, got invalid JSON ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3:
+        raise StoreFormatError(f"{path}: expected a zarr v3 document (zarr_format 3)")
+    return doc
+
+
+def kvstore_attrs(doc: dict[str, Any]) -> dict[str, Any]:
+    """``attributes.kvstore`` of a document ({} when absent)."""
+    attrs = doc.get("attributes", {}).get("kvstore", {})
+    return attrs if isinstance(attrs, dict) else {}

@@ -1,0 +1,194 @@
+"""Opening a store and its namespaces.
+
+* :class:`KVStore` - a store root (a zarr v3 group tagged ``kvstore`` format v1). Opening an
+  empty or absent directory creates the store; opening a directory that holds something else
+  is an error naming what was found.
+* :meth:`KVStore.namespace` - open (or create) the namespace of an :class:`Identity`; a stored
+  identity different from the caller's is an :class:`IdentityMismatchError`, never a reuse.
+* :class:`Namespace` - one :class:`~kvstore.store.group_store.GroupStore` per KV-cache group,
+  where the block operations live.
+
+A store object owns its I/O engine (threads); close it, or use it as a context manager.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from kvstore.config import StoreConfig
+from kvstore.errors import IdentityMismatchError, StoreFormatError
+from kvstore.identity import Identity
+from kvstore.io.fileio import DEFAULT_FILEIO, FileIO
+from kvstore.io.host import HostEngine
+from kvstore.store import metadata
+from kvstore.store.format import ShardLayout
+from kvstore.store.group_store import GroupStore
+from kvstore.store.types import StoreStats
+
+QUARANTINE = "quarantine"
+
+
+class KVStore:
+    """An open store root."""
+
+    def __init__(self, config: StoreConfig | None = None, *, fio: FileIO = DEFAULT_FILEIO, create: bool = True) -> None:
+        self.config = config or StoreConfig()
+        self.root = self.config.root.absolute()
+        self.fio = fio
+        self._open_root(create)
+        self.engine = HostEngine(self.config.replace(root=self.root), fio)
+        self.stats = StoreStats()
+        self._namespaces: dict[str, Namespace] = {}
+
+    def _open_root(self, create: bool) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreFormatError(f"store root {self.root}: expected a directory, got a file")
+        doc = metadata.read_document(self.root)
+        if doc is None:
+            if self.root.exists() and any(self.root.iterdir()):
+                raise StoreFormatError(
+                    f"store root {self.root}: expected an empty directory or a kvstore store, "
+                    "got a non-empty directory without zarr.json"
+                )
+            if not create:
+                raise StoreFormatError(f"store root {self.root}: no kvstore store here")
+            metadata.write_document(self.fio, self.root, metadata.root_document(), self.config.durable)
+            return
+        attrs = metadata.kvstore_attrs(doc)
+        if attrs != metadata.STORE_ATTRS:
+            raise StoreFormatError(
+                f"store root {self.root}: expected attributes.kvstore = {metadata.STORE_ATTRS}, "
+                f"got {attrs or 'none'}"
+            )
+
+    # -- namespaces ----------------------------------------------------------------------------
+
+    def namespace(self, identity: Identity, *, create: bool = True) -> Namespace:
+        """The namespace of ``identity``, created if absent (unless ``create`` is False)."""
+        name = identity.namespace
+        cached = self._namespaces.get(name)
+        if cached is not None:
+            if cached.identity != identity:
+                raise IdentityMismatchError(
+                    f"namespace {name}: {cached.identity.describe_difference(identity)}"
+                )
+            return cached
+        path = self.root / name
+        doc = metadata.read_document(path)
+        if doc is None:
+            if not create:
+                raise StoreFormatError(f"namespace {name} does not exist in {self.root}")
+            metadata.write_document(self.fio, path, metadata.namespace_document(identity), self.config.durable)
+        else:
+            stored = _stored_identity(path, doc)
+            if stored != identity:
+                raise IdentityMismatchError(
+                    f"namespace {name} in {self.root} holds another identity: "
+                    f"{stored.describe_difference(identity)}"
+                )
+        ns = Namespace(self, identity, path)
+        self._namespaces[name] = ns
+        return ns
+
+    def open_namespace(self, name: str) -> Namespace:
+        """An existing namespace by directory name, with the identity stored in it (tools)."""
+        path = self.root / name
+        doc = metadata.read_document(path)
+        if doc is None:
+            raise StoreFormatError(f"namespace {name}: expected {path}/zarr.json, found none")
+        identity = _stored_identity(path, doc)
+        if identity.namespace != name:
+            raise StoreFormatError(
+                f"namespace {name}: its identity hashes to {identity.namespace}; the directory "
+                "was renamed or its zarr.json edited"
+            )
+        return self.namespace(identity, create=False)
+
+    def namespace_names(self) -> list[str]:
+        """Directory names of the namespaces in this store, sorted."""
+        return sorted(
+            entry.name
+            for entry in os.scandir(self.root)
+            if entry.is_dir() and (Path(entry.path) / metadata.ZARR_JSON).exists()
+        )
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class Namespace:
+    """The arrays of one identity; ``group(k)`` gives the block operations of group k."""
+
+    def __init__(self, store: KVStore, identity: Identity, path: Path) -> None:
+        self.store = store
+        self.identity = identity
+        self.path = path
+        self.name = identity.namespace
+        self.digest = identity.digest
+        self.groups = [self._open_group(k) for k in range(len(identity.groups))]
+
+    def group(self, index: int) -> GroupStore:
+        return self.groups[index]
+
+    def _open_group(self, index: int) -> GroupStore:
+        identity = self.identity
+        spec = identity.groups[index]
+        array_path = self.path / f"g{index}"
+        expected = metadata.array_document(identity, index)
+        doc = metadata.read_document(array_path)
+        config = self.store.config
+        if doc is None:
+            metadata.write_document(self.store.fio, array_path, expected, config.durable)
+        elif doc != _json(expected):
+            raise StoreFormatError(
+                f"{array_path}/zarr.json: expected the array document of format v1 for this "
+                "identity, got a different one (edited, or written by another kvstore version)"
+            )
+        leading = metadata.leading_dims(spec)
+        group = GroupStore(
+            namespace=self.name,
+            namespace_digest=self.digest,
+            index=index,
+            spec=spec,
+            layout=ShardLayout.for_group(spec, identity.tokens_per_block, identity.dtype.itemsize),
+            array_path=array_path,
+            engine=self.store.engine,
+            leading_dims=leading,
+            stats=self.store.stats,
+            checksum=config.checksum,
+            verify_reads=config.verify_reads,
+            quarantine_dir=self.path / QUARANTINE if config.quarantine else None,
+        )
+        for hi in range(256):  # pre-create the fan-out so block writes never mkdir
+            self.store.fio.makedirs(str(group.fanout_dir(hi)))
+        return group
+
+
+def _stored_identity(path: Path, doc: dict[str, Any]) -> Identity:
+    attrs = metadata.kvstore_attrs(doc)
+    try:
+        return Identity.from_json(attrs["identity"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoreFormatError(
+            f"{path}/zarr.json: expected attributes.kvstore.identity of a kvstore namespace, "
+            f"got {attrs or 'none'} ({exc})"
+        ) from exc
+
+
+def _json(raw: bytes) -> dict[str, object]:
+    doc: dict[str, object] = json.loads(raw)
+    return doc

@@ -1,0 +1,128 @@
+"""Requests, results and counters of the page store API."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# Anything exposing the buffer protocol as C-contiguous bytes: bytes, bytearray, memoryview,
+# numpy arrays (use ``tensor.numpy()`` or kvstore.layout helpers for torch CPU tensors).
+Buffer = Any
+
+
+class WriteStatus(enum.Enum):
+    WRITTEN = "written"  # published by this call
+    EXISTS = "exists"  # already present (content addressed: not rewritten)
+    FAILED = "failed"  # not published; ``error`` says why; temporary files removed
+
+
+class ReadStatus(enum.Enum):
+    HIT = "hit"  # verified bytes are in the caller's buffer
+    MISS = "miss"  # no such block
+    CORRUPT = "corrupt"  # failed verification: quarantined, counts as a miss
+    ERROR = "error"  # an I/O error: counts as a miss, the file is left alone
+
+    @property
+    def ok(self) -> bool:
+        return self is ReadStatus.HIT
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWrite:
+    """Write one whole block."""
+
+    block_hash: bytes
+    data: Buffer  # the canonical block: all inner chunks back to back (ShardLayout.block_nbytes)
+    parent_hash: bytes | None = None  # hash of the previous block of the chain, None for the first
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRead:
+    """Read a block, or only some of its inner chunks, into a caller-given buffer."""
+
+    block_hash: bytes
+    out: Buffer  # writable; receives the chunks back to back, in ``chunks`` order
+    chunks: Sequence[int] | None = None  # inner chunk numbers (ShardLayout.chunks_of); None = all
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    status: WriteStatus
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    status: ReadStatus
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is ReadStatus.HIT
+
+
+@dataclass(frozen=True)
+class PendingBlock:
+    """A block being written by one or more writers (DESIGN.md §4); small and picklable.
+
+    Created once by :meth:`GroupStore.begin_blocks` (no I/O) and handed to every writer; all of
+    them fill the same temporary file at fixed offsets, and one party commits it.
+    """
+
+    namespace: str  # namespace directory name
+    group: int  # array index
+    block_hash: bytes
+    parent_hash: bytes | None
+    token: str  # names the temporary file; unique per attempt
+    created_ns: int  # written into the header by every writer, so their headers are identical
+    checksum_algo: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkWrite:
+    """One writer's whole inner chunks of a pending block."""
+
+    pending: PendingBlock
+    chunks: Sequence[int]  # inner chunk numbers, in the order their bytes appear in ``data``
+    data: Buffer  # len(chunks) * chunk_nbytes bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RangeWrite:
+    """One writer's byte ranges of a pending block, inside inner chunks (DCP/PCP token splits).
+
+    Chunks touched this way get their checksum at commit (``checksum_chunks``).
+    """
+
+    pending: PendingBlock
+    ranges: Sequence[tuple[int, Buffer]]  # (offset in the canonical block, bytes); within a chunk
+
+
+@dataclass
+class StoreStats:
+    """Counters of one open store (all groups); thread-safe increments."""
+
+    blocks_written: int = 0
+    blocks_existing: int = 0
+    write_failures: int = 0
+    bytes_written: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    read_errors: int = 0
+    bytes_read: int = 0
+    lookups: int = 0
+    probes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
