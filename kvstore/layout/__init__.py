@@ -1,0 +1,40 @@
+"""Canonical page layout: where each byte of a rank's KV pages lives in a stored block.
+
+:mod:`kvstore.layout.parallel` derives the mapping (the only TP/PP/DCP/PCP-aware code);
+:mod:`kvstore.layout.page` moves bytes by it with torch.
+"""
+
+from kvstore.layout.page import gather_blocks, scatter_blocks
+from kvstore.layout.parallel import (
+    CopyRun,
+    GroupGeometry,
+    LayoutError,
+    LocalForm,
+    ParallelLayout,
+    RankCoord,
+    RankMapping,
+    ShareSegment,
+    check_tiling,
+    map_all_ranks,
+    map_rank,
+    pp_layer_range,
+    verify_tiling,
+)
+
+__all__ = [
+    "CopyRun",
+    "GroupGeometry",
+    "LayoutError",
+    "LocalForm",
+    "ParallelLayout",
+    "RankCoord",
+    "RankMapping",
+    "ShareSegment",
+    "check_tiling",
+    "gather_blocks",
+    "map_all_ranks",
+    "map_rank",
+    "pp_layer_range",
+    "scatter_blocks",
+    "verify_tiling",
+]

@@ -1,0 +1,1 @@
+"""Tests of kvstore.layout (canonical mapping of parallel layouts)."""
