@@ -36,9 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.bench_layouts import DEFAULT_PAIRS, cross_layout
 from kvstore.config import StoreConfig
 from kvstore.identity import GroupSpec, Identity
 from kvstore.io.buffers import aligned_buffer
+from kvstore.io.fileio import O_DIRECT
+from kvstore.io.fileio import drop_tree_cache as drop_cache
 from kvstore.models import load_model
 from kvstore.store.group_store import GroupStore
 from kvstore.store.page_store import KVStore
@@ -110,11 +113,17 @@ def store_read(group: GroupStore, work: Workload, outs: Sequence[np.ndarray]) ->
 
 
 class RawFloor:
-    """One file per block, plain pwrite/preadv, same threads and durability as the store."""
+    """One file per block, plain pwrite/preadv, same threads and durability as the store.
 
-    def __init__(self, root: Path, threads: int, durable: bool) -> None:
+    ``direct`` opens files for writing with O_DIRECT, as the store's engine does when its probe
+    passed, so the comparison isolates what the store adds (checksums, header and index,
+    temporary file and rename, directory fsync) from the choice of write mode.
+    """
+
+    def __init__(self, root: Path, threads: int, durable: bool, direct: bool = False) -> None:
         self.root = root
         self.durable = durable
+        self.direct = direct
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads)
         for hi in range(256):
@@ -125,7 +134,8 @@ class RawFloor:
 
     def _write_one(self, args: tuple[bytes, np.ndarray]) -> None:
         block_hash, data = args
-        fd = os.open(self.path(block_hash), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (O_DIRECT if self.direct else 0)
+        fd = os.open(self.path(block_hash), flags, 0o644)
         try:
             os.pwrite(fd, data.data, 0)
             if self.durable:
@@ -167,20 +177,6 @@ class RawFloor:
         self.pool.shutdown()
 
 
-def drop_cache(directory: Path) -> None:
-    """Evict a tree's (clean) pages from the page cache so the next read is cold."""
-    for dirpath, _, files in os.walk(directory):
-        for name in files:
-            try:
-                fd = os.open(Path(dirpath, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 # -- suites ---------------------------------------------------------------------------------
 
 
@@ -218,6 +214,7 @@ def throughput(
         "raw_read": [],
     }
     engine = ""
+    direct = False
     work: Workload | None = None
     outs: list[np.ndarray] = []
     for rep in range(repeat):
@@ -225,13 +222,14 @@ def throughput(
         with KVStore(cfg) as store:
             group = store.namespace(identity).group(0)
             engine = store.engine.describe()
+            direct = store.engine.direct.enabled
             if work is None:
                 count = max(BATCH, int(gib * 2**30) // group.layout.block_nbytes)
                 work = make_workload(group.layout.block_nbytes, count, seed=block_tokens)
                 outs = [
                     aligned_buffer(work.block_nbytes) for _ in range(BATCH)
                 ]  # one per batch slot
-            raw = RawFloor(base / "raw", threads, cfg.durable)
+            raw = RawFloor(base / "raw", threads, cfg.durable, direct)
             try:
                 _measure_pair(
                     samples,
@@ -280,6 +278,7 @@ def throughput(
         "threads": threads,
         "durability": durability,
         "engine": engine,
+        "raw_writes": "O_DIRECT" if direct else "buffered",
         "write": result("write"),
         "read": result("read"),
     }
@@ -387,6 +386,12 @@ def _print_table(report: dict[str, Any]) -> None:
             f" longest_prefix {lk['longest_prefix_ms']} ms,"
             f" per-key exists {lk['per_key_exists_ms']} ms ({lk['speedup']}x)"
         )
+    for row in report.get("layouts", []):
+        print(
+            f"written at {row['written_at']:<10} read at {row['read_at']:<10}"
+            f" {row['cross_gbs']:>6.2f} GB/s vs same-layout {row['same_layout_gbs']:>6.2f}"
+            f" ({row['ratio_to_same_layout']:.2f}x)"
+        )
     if "overhead" in report:
         ov = report["overhead"]
         print(
@@ -394,6 +399,22 @@ def _print_table(report: dict[str, Any]) -> None:
             f" {ov['write_us_per_block']['overhead']} us,"
             f" read {ov['read_us_per_block']['overhead']} us"
         )
+
+
+def _pairs(text: str) -> list[str]:
+    """'a:b,c:d' or 'a,x:b;c:d' (layouts that contain commas) into ['a:b', 'c:d']."""
+    if not text:
+        return []
+    if ";" in text:
+        return [p.strip() for p in text.split(";") if p.strip()]
+    parts = text.split(",")
+    pairs: list[str] = []
+    for part in parts:
+        if ":" in part:
+            pairs.append(part)
+        elif pairs:  # a layout continued after a comma, e.g. "tp=2,pp=2"
+            pairs[-1] += "," + part
+    return pairs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -412,6 +433,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--chain", type=int, default=8192, help="lookup chain length (0: skip)")
     parser.add_argument("--overhead-blocks", type=int, default=4000, help="0: skip")
+    parser.add_argument(
+        "--layouts",
+        default=",".join(DEFAULT_PAIRS),
+        help="cross-layout read pairs WRITE:READ, comma-separated ('' to skip), "
+        "e.g. 'tp=1:tp=4,tp=4:tp=1' (layouts with commas: separate pairs with ';')",
+    )
+    parser.add_argument("--layout-gib", type=float, default=0.5, help="data for the layout suite")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     base = (args.root or Path("bench-scratch")).absolute()
@@ -431,6 +459,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.chain:
         report["lookup"] = lookup(base / "lookup", args.chain)
+    pairs = _pairs(args.layouts)
+    if pairs:
+        report["layouts"] = cross_layout(
+            base / "layouts", args.model, 16, args.layout_gib, args.threads, pairs, repeat=1
+        )
     if args.overhead_blocks:
         shm = Path("/dev/shm")  # noqa: S108 - tmpfs, so that I/O time vanishes
         scratch = Path(tempfile.mkdtemp(dir=shm if shm.is_dir() else None))

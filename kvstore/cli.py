@@ -1,4 +1,5 @@
-"""The ``kvstore`` command: ``kvstore demo`` (the main job); admin commands join it later.
+"""The ``kvstore`` command: ``kvstore demo`` (the main job) and the storage admin commands
+``ls``, ``du``, ``verify``, ``gc``, ``rm`` (logic in :mod:`kvstore.admin`, docs in docs/admin.md).
 
 Exit codes: 0 success, 1 findings (a demo byte that did not verify), 2 error (bad arguments,
 unreadable store, identity mismatch); errors print one line naming what was expected and what
@@ -14,7 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvstore import demo
+from kvstore.admin import commands as admin_commands
 from kvstore.errors import KvstoreError
+from kvstore.layout.parallel import ParallelLayout
 from kvstore.models import model_names
 
 
@@ -52,7 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--threads", type=_positive, default=4, help="I/O threads (default: 4)")
     d.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    d.add_argument(
+        "--write-layout",
+        default="",
+        metavar="LAYOUT",
+        help="write with every rank of a parallel layout, one process each "
+        "(e.g. tp=2, tp=4,pp=2, tp=2,dcp=2)",
+    )
+    d.add_argument(
+        "--read-layout",
+        default="",
+        metavar="LAYOUT",
+        help="read back with every rank of another layout (e.g. tp=4 or tp=1)",
+    )
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    admin_commands.add_parsers(sub)
     return parser
 
 
@@ -64,6 +81,11 @@ def _positive(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _layout(text: str) -> str:
+    """Validate a layout string early (a clear error before any work); "" means none."""
+    return str(ParallelLayout.parse(text)) if text else ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,8 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 requests=args.requests,
                 threads=args.threads,
                 seed=args.seed,
+                write_layout=_layout(args.write_layout),
+                read_layout=_layout(args.read_layout),
             )
             return demo.run(spec, args.json)
+        if args.command in admin_commands.COMMANDS:
+            return admin_commands.dispatch(args)
     except (KvstoreError, OSError, ValueError) as exc:
         print(f"kvstore: error: {exc}", file=sys.stderr)
         return 2

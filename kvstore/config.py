@@ -53,6 +53,9 @@ class StoreConfig:
     verify_reads: bool = True
     # Move blocks that fail verification to <namespace>/quarantine/ instead of deleting them.
     quarantine: bool = True
+    # Readers record a block's last use as its file mtime, rewritten when older than this many
+    # seconds (so at most one utime per block per interval); eviction orders by it. 0: never.
+    access_granularity_s: int = 60
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))  # accept str from callers
@@ -63,6 +66,10 @@ class StoreConfig:
             raise ConfigError(f"io_threads: expected an int, got {self.io_threads!r}")
         if not 1 <= self.io_threads <= 256:
             raise ConfigError(f"io_threads: expected 1..256, got {self.io_threads}")
+        if not isinstance(self.access_granularity_s, int) or self.access_granularity_s < 0:
+            raise ConfigError(
+                f"access_granularity_s: expected an int >= 0, got {self.access_granularity_s!r}"
+            )
         for name in ("verify_reads", "quarantine"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected a bool, got {getattr(self, name)!r}")

@@ -42,6 +42,13 @@ class FileIO:
     def fstat_size(self, fd: int) -> int:
         return os.fstat(fd).st_size
 
+    def fstat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
+    def touch(self, fd: int) -> None:
+        """Set the file's modification time to now (readers record last use this way)."""
+        os.utime(fd)
+
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -71,6 +78,20 @@ class FileIO:
 
 
 DEFAULT_FILEIO = FileIO()
+
+
+def drop_tree_cache(directory: str | os.PathLike[str]) -> None:
+    """Evict a tree's clean pages from the page cache, so the next read is cold (benchmarks)."""
+    for dirpath, _, files in os.walk(directory):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def write_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> None:

@@ -184,25 +184,41 @@ class HostEngine:
 
     # -- reads ------------------------------------------------------------------------------
 
-    def read_file(self, path: str, segments: Sequence[Segment], file_nbytes: int) -> None:
+    def read_file(
+        self,
+        path: str,
+        segments: Sequence[Segment],
+        file_nbytes: int,
+        touch_if_older_than_ns: int = 0,
+    ) -> None:
         """Fill ``segments`` from published file ``path`` of expected size ``file_nbytes``.
 
         Raises :class:`BlockMissingError` if it does not exist and :class:`CorruptBlockError`
-        if its size is wrong or a read comes back short.
+        if its size is wrong or a read comes back short. If the file's mtime is older than
+        ``touch_if_older_than_ns`` it is set to now after the read: mtime is the block's last
+        use, which eviction orders by (atime cannot be trusted under relatime/noatime). A
+        read-only store simply keeps its old times.
         """
         try:
             fd = self.fio.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise BlockMissingError(path) from None
         try:
-            size = self.fio.fstat_size(fd)
-            if size != file_nbytes:
-                raise CorruptBlockError(f"file size: expected {file_nbytes} bytes, got {size}")
+            st = self.fio.fstat(fd)
+            if st.st_size != file_nbytes:
+                raise CorruptBlockError(
+                    f"file size: expected {file_nbytes} bytes, got {st.st_size}"
+                )
             for offset, buffers in _coalesce(segments):
                 want = sum(len(b) for b in buffers)
                 got = read_fully(self.fio, fd, buffers, offset)
                 if got != want:
                     raise CorruptBlockError(f"short read at {offset}: expected {want}, got {got}")
+            if st.st_mtime_ns < touch_if_older_than_ns:
+                try:
+                    self.fio.touch(fd)
+                except OSError:
+                    pass  # read-only mount or foreign owner: last-use tracking is best effort
         finally:
             self.fio.close(fd)
 
@@ -235,4 +251,3 @@ def _coalesce(segments: Sequence[Segment]) -> list[tuple[int, list[memoryview]]]
             runs.append((offset, [data]))
         end = offset + len(data)
     return runs
-

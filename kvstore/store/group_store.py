@@ -102,6 +102,7 @@ class GroupStore:
         self._quarantine_dir = quarantine_dir
         self._fio = engine.fio
         self._array_prefix = str(array_path) + os.sep
+        self._access_granularity_ns = engine.config.access_granularity_s * 1_000_000_000
 
     # -- naming ------------------------------------------------------------------------------
 
@@ -156,9 +157,7 @@ class GroupStore:
         layout = self.layout
         data = _byte_view(req.data)
         if len(data) != layout.block_nbytes:
-            raise KvstoreError(
-                f"block data: expected {layout.block_nbytes} bytes, got {len(data)}"
-            )
+            raise KvstoreError(f"block data: expected {layout.block_nbytes} bytes, got {len(data)}")
         sums = checksum_chunks(self._checksum_algo, data, layout.chunk_nbytes, layout.num_chunks)
         header = self._header(block_hash, req.parent_hash, time.time_ns(), sums)
         segments: list[Segment] = [(0, memoryview(header))]
@@ -172,8 +171,8 @@ class GroupStore:
                 segments.append((layout.chunk_offset(c) + layout.chunk_nbytes, pad))
         segments.append((layout.data_end, memoryview(layout.index_bytes)))
         tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:16]}"
-        self._write_with_dir(tmp, segments, exclusive=True)
         try:
+            self._write_with_dir(tmp, segments, exclusive=True)
             self._fio.rename(tmp, final)
         except BaseException:
             self._remove_quietly(tmp)
@@ -204,10 +203,19 @@ class GroupStore:
         )
 
     def _write_with_dir(self, path: str, segments: Sequence[Segment], *, exclusive: bool) -> None:
-        """engine.write_file, creating the fan-out directory if it was removed."""
+        """engine.write_file, recreating a lost fan-out directory of a live array.
+
+        If the array itself is gone (``kvstore rm`` removed the namespace while this server
+        ran), the write fails instead of resurrecting a namespace without its metadata.
+        """
         try:
             self.engine.write_file(path, segments, self.layout.file_nbytes, exclusive=exclusive)
         except FileNotFoundError:
+            if not self._fio.exists(self._array_prefix + "zarr.json"):
+                raise KvstoreError(
+                    f"namespace {self.namespace} was removed from the store (no {self.array_path}"
+                    "/zarr.json); reopen the store to recreate it"
+                ) from None
             self._fio.makedirs(os.path.dirname(path))
             self.engine.write_file(path, segments, self.layout.file_nbytes, exclusive=exclusive)
 
@@ -237,7 +245,9 @@ class GroupStore:
                 # The renames happened but may not survive a power loss: report them failed.
                 message = f"directory fsync failed: {errors[0]}"
                 out = [
-                    WriteResult(WriteStatus.FAILED, message) if r.status is WriteStatus.WRITTEN else r
+                    WriteResult(WriteStatus.FAILED, message)
+                    if r.status is WriteStatus.WRITTEN
+                    else r
                     for r in out
                 ]
                 failures.append(message)
@@ -251,7 +261,11 @@ class GroupStore:
         if failures:
             log.warning(
                 "kvstore: %d of %d block writes failed in %s/g%d, first: %s",
-                len(failures), len(hashes), self.namespace, self.index, failures[0],
+                len(failures),
+                len(hashes),
+                self.namespace,
+                self.index,
+                failures[0],
             )
         return out
 
@@ -286,7 +300,10 @@ class GroupStore:
 
         Returns, per item, None or the error (the caller then aborts the block).
         """
-        return [r if isinstance(r, BaseException) else None for r in self.engine.map(self._write_chunks_one, writes)]
+        return [
+            r if isinstance(r, BaseException) else None
+            for r in self.engine.map(self._write_chunks_one, writes)
+        ]
 
     def _write_chunks_one(self, item: ChunkWrite) -> None:
         layout = self.layout
@@ -310,7 +327,10 @@ class GroupStore:
 
     def write_ranges(self, writes: Sequence[RangeWrite]) -> list[BaseException | None]:
         """Each writer's byte ranges inside inner chunks; checksums are computed at commit."""
-        return [r if isinstance(r, BaseException) else None for r in self.engine.map(self._write_ranges_one, writes)]
+        return [
+            r if isinstance(r, BaseException) else None
+            for r in self.engine.map(self._write_ranges_one, writes)
+        ]
 
     def _write_ranges_one(self, item: RangeWrite) -> None:
         layout = self.layout
@@ -351,7 +371,9 @@ class GroupStore:
         results = self.engine.map(self._commit_one, list(zip(pendings, todo, strict=True)))
         return self._finish_writes(results, [p.block_hash for p in pendings])
 
-    def _commit_one(self, item: tuple[PendingBlock, Sequence[int]]) -> tuple[WriteStatus, str | None]:
+    def _commit_one(
+        self, item: tuple[PendingBlock, Sequence[int]]
+    ) -> tuple[WriteStatus, str | None]:
         pending, chunks = item
         tmp = self.temp_path(pending)
         final = self.path_of(pending.block_hash)
@@ -382,7 +404,9 @@ class GroupStore:
             writes: list[Segment] = []
             for c, buf in zip(chunks, chunk_bufs, strict=True):
                 slots[c] = fn(memoryview(buf))
-                writes.append((fmt.checksum_slot_offset(c), memoryview(fmt.encode_checksums([int(slots[c])]))))
+                writes.append(
+                    (fmt.checksum_slot_offset(c), memoryview(fmt.encode_checksums([int(slots[c])])))
+                )
             self.engine.write_file(tmp, writes, layout.file_nbytes, exclusive=False)
         missing = np.flatnonzero(slots == 0)
         if len(missing):
@@ -421,7 +445,9 @@ class GroupStore:
             corrupt += result.status is ReadStatus.CORRUPT
             errors += result.status is ReadStatus.ERROR
             results.append(result)
-        self.stats.add(hits=hits, misses=misses, corrupt=corrupt, read_errors=errors, bytes_read=nbytes)
+        self.stats.add(
+            hits=hits, misses=misses, corrupt=corrupt, read_errors=errors, bytes_read=nbytes
+        )
         return results
 
     def _read_one(self, req: BlockRead) -> int:
@@ -437,7 +463,10 @@ class GroupStore:
         header = bytearray(layout.header_nbytes)
         segments: list[Segment] = [(0, memoryview(header)), *self._chunk_segments(chunks, out)]
         segments.sort(key=lambda s: s[0])
-        self.engine.read_file(self.path_of(block_hash), segments, layout.file_nbytes)
+        touch_before = (
+            time.time_ns() - self._access_granularity_ns if self._access_granularity_ns else 0
+        )
+        self.engine.read_file(self.path_of(block_hash), segments, layout.file_nbytes, touch_before)
         decoded = fmt.decode_header(header)
         check_header_for(decoded, self, block_hash)
         if self._verify:
@@ -482,12 +511,19 @@ class GroupStore:
             where = self._quarantine(block_hash)
             log.warning(
                 "kvstore: block %s of %s/g%d is corrupt (%s); served as a miss, %s",
-                _short(block_hash), self.namespace, self.index, exc, where,
+                _short(block_hash),
+                self.namespace,
+                self.index,
+                exc,
+                where,
             )
             return ReadResult(ReadStatus.CORRUPT, str(exc))
         log.warning(
             "kvstore: reading block %s of %s/g%d failed (%s); served as a miss",
-            _short(block_hash), self.namespace, self.index, exc,
+            _short(block_hash),
+            self.namespace,
+            self.index,
+            exc,
         )
         return ReadResult(ReadStatus.ERROR, str(exc))
 
@@ -511,7 +547,9 @@ class GroupStore:
         """The verified header and checksum slots of a published block (for tools)."""
         block_hash = check_hash(block_hash)
         header = bytearray(self.layout.header_nbytes)
-        self.engine.read_file(self.path_of(block_hash), [(0, memoryview(header))], self.layout.file_nbytes)
+        self.engine.read_file(
+            self.path_of(block_hash), [(0, memoryview(header))], self.layout.file_nbytes
+        )
         decoded = fmt.decode_header(header)
         check_header_for(decoded, self, block_hash)
         return decoded, fmt.decode_checksums(header, self.layout.num_chunks).copy()

@@ -1,0 +1,250 @@
+"""One rank's reads and writes of one KV-cache group, in its own parallel layout.
+
+:class:`RankIO` joins a :class:`~kvstore.layout.parallel.RankMapping` (which bytes of a
+block this rank holds, and whether it is the elected writer) to a
+:class:`~kvstore.store.group_store.GroupStore` (where those bytes live on disk):
+
+* :meth:`RankIO.store` gathers the rank's share of each block from its local KV tensors into a
+  staging buffer and, for the blocks it is elected to write, writes its inner chunks into the
+  block's pending file (multi-writer protocol, DESIGN.md §4). Whole inner chunks go with their
+  checksums; chunks split over token shards (DCP) go as byte ranges and are checksummed at
+  commit (:attr:`RankIO.commit_checksum_chunks`).
+* :meth:`RankIO.load` reads only the inner chunks the rank holds (verified against their
+  checksums), and scatters the rank's share into its local tensors for the hits.
+
+I/O volume: a TP or PP rank reads exactly its share. A DCP rank holds part of every token row
+of its chunks but checksums cover whole chunks, so it reads whole chunks (``dcp`` times its
+share) - the price of verifying every byte it serves.
+
+The staging buffers are host tensors; with CUDA tensors the gather/scatter runs on the device
+and the staging copy crosses PCIe (the pinned and GPUDirect engines replace this path).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstore.errors import LayoutError
+from kvstore.identity import Identity
+from kvstore.keys import writer_election_key
+from kvstore.layout.page import gather_blocks, scatter_blocks
+from kvstore.layout.parallel import GroupGeometry, RankMapping
+from kvstore.models import ModelGeometry
+from kvstore.store.group_store import GroupStore
+from kvstore.store.types import (
+    BlockRead,
+    ChunkWrite,
+    PendingBlock,
+    RangeWrite,
+    ReadResult,
+    ReadStatus,
+)
+
+
+def group_geometry(
+    identity: Identity, index: int, layer_ids: Sequence[int], num_hidden_layers: int
+) -> GroupGeometry:
+    """The layout-free geometry of group ``index`` of ``identity`` for the parallel mapping.
+
+    ``layer_ids`` are the model layer ids of the group's layers (in the group's order), which
+    decide the pipeline stage of each layer.
+    """
+    spec = identity.groups[index]
+    return GroupGeometry(
+        kind=spec.kind,
+        layer_ids=tuple(layer_ids),
+        num_hidden_layers=num_hidden_layers,
+        tokens_per_block=identity.tokens_per_block,
+        elem_size=identity.dtype.itemsize,
+        num_kv_heads=1 if spec.kind == "mla" else spec.num_kv_heads,
+        head_dim=0 if spec.kind == "mla" else spec.head_dim,
+        latent_dim=spec.latent_dim,
+    )
+
+
+def model_group_geometry(model: ModelGeometry, identity: Identity, index: int) -> GroupGeometry:
+    """:func:`group_geometry` with the layer ids of a catalogued model."""
+    return group_geometry(identity, index, model.groups[index].layer_ids, model.num_hidden_layers)
+
+
+@dataclass(frozen=True)
+class _ShareExtract:
+    """How to cut a rank's share out of the whole chunks it read: unit-sized index."""
+
+    unit: int  # bytes per index entry (gcd of all segment sizes and offsets)
+    index: torch.Tensor  # int64, share unit k = chunk-buffer unit index[k]
+
+
+class RankIO:
+    """Moves one rank's share of blocks of one group between its KV tensors and the store."""
+
+    def __init__(self, group: GroupStore, mapping: RankMapping) -> None:
+        layout, geometry = group.layout, mapping.geometry
+        expected = (layout.num_chunks, layout.chunk_nbytes)
+        got = (geometry.num_inner_chunks, geometry.inner_chunk_bytes)
+        if expected != got:
+            raise LayoutError(
+                f"rank mapping does not fit group g{group.index}: (inner chunks, chunk bytes) "
+                f"expected {expected}, got {got}"
+            )
+        self.group = group
+        self.mapping = mapping
+        self.read_chunks = sorted({s.chunk for s in mapping.segments})
+        # Chunks written by ranges (token-split) have no checksum until commit. All ranks of a
+        # layout agree: token shards > 1 makes every rank's chunks partial.
+        self.commit_checksum_chunks: tuple[int, ...] = (
+            tuple(range(layout.num_chunks)) if mapping.partial_chunks else ()
+        )
+        if not mapping.partial_chunks and not _chunks_in_share_order(mapping):
+            # Whole-chunk writes send the share as the chunks back to back; the mapping
+            # guarantees canonical order, so anything else is a mapping bug: fail closed.
+            raise LayoutError(
+                f"rank {mapping.rank}: whole chunks are not back to back in its share"
+            )
+        self._extract = (
+            None
+            if not mapping.partial_chunks
+            else _share_extract(mapping, layout.chunk_nbytes, self.read_chunks)
+        )
+
+    @property
+    def read_nbytes(self) -> int:
+        """Bytes read from the store per block by :meth:`load`."""
+        return len(self.read_chunks) * self.group.layout.chunk_nbytes
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def elected(self, pendings: Sequence[PendingBlock]) -> list[bool]:
+        """Whether this rank writes each pending block (rank-consistent election)."""
+        return [self.mapping.is_writer(writer_election_key(p.block_hash)) for p in pendings]
+
+    def store(
+        self,
+        local_tensors: Sequence[torch.Tensor],
+        pendings: Sequence[PendingBlock],
+        block_ids: Sequence[int],
+    ) -> list[BaseException | None]:
+        """Write this rank's share of the blocks it is elected for into their pending files.
+
+        Returns one entry per block: None (written, or not this rank's to write) or the error.
+        The block becomes visible only when the committer publishes it after every rank is
+        done (:meth:`GroupStore.commit_blocks` with :attr:`commit_checksum_chunks`).
+        """
+        if len(pendings) != len(block_ids):
+            raise LayoutError(f"store: {len(pendings)} blocks but {len(block_ids)} block ids")
+        mine = [i for i, e in enumerate(self.elected(pendings)) if e]
+        results: list[BaseException | None] = [None] * len(pendings)
+        if not mine or self.mapping.share_bytes == 0:
+            return results
+        staging = torch.empty(len(mine), self.mapping.share_bytes, dtype=torch.uint8)
+        ids = [block_ids[i] for i in mine]
+        device = local_tensors[0].device if local_tensors else torch.device("cpu")
+        if device.type == "cpu":
+            gather_blocks(self.mapping, local_tensors, ids, staging)
+        else:
+            staged = torch.empty(
+                len(mine), self.mapping.share_bytes, dtype=torch.uint8, device=device
+            )
+            gather_blocks(self.mapping, local_tensors, ids, staged)
+            staging.copy_(staged)
+        rows = staging.numpy()
+        if self.commit_checksum_chunks:
+            errors = self.group.write_ranges(
+                [
+                    RangeWrite(
+                        pendings[i],
+                        [
+                            (
+                                s.canonical_offset,
+                                rows[row, s.share_offset : s.share_offset + s.size],
+                            )
+                            for s in self.mapping.segments
+                        ],
+                    )
+                    for row, i in enumerate(mine)
+                ]
+            )
+        else:
+            chunks = [s.chunk for s in self.mapping.segments]
+            errors = self.group.write_chunks(
+                [ChunkWrite(pendings[i], chunks, rows[row]) for row, i in enumerate(mine)]
+            )
+        for i, error in zip(mine, errors, strict=True):
+            results[i] = error
+        return results
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def load(
+        self,
+        local_tensors: Sequence[torch.Tensor],
+        block_hashes: Sequence[bytes],
+        block_ids: Sequence[int],
+    ) -> list[ReadResult]:
+        """Read the blocks' chunks this rank holds and scatter the hits into its tensors.
+
+        Misses and corrupt blocks leave the rank's tensors for those blocks untouched; the
+        results say which (a load error for the engine, which then recomputes).
+        """
+        if len(block_hashes) != len(block_ids):
+            raise LayoutError(f"load: {len(block_hashes)} hashes but {len(block_ids)} block ids")
+        n = len(block_hashes)
+        if self.mapping.share_bytes == 0:  # a stage holding none of this group's layers
+            present = self.group.contains(block_hashes)
+            return [ReadResult(ReadStatus.HIT if p else ReadStatus.MISS) for p in present]
+        chunk_buf = torch.empty(n, self.read_nbytes, dtype=torch.uint8)
+        rows = chunk_buf.numpy()
+        results = self.group.read_blocks(
+            [BlockRead(h, rows[i], self.read_chunks) for i, h in enumerate(block_hashes)]
+        )
+        hits = [i for i, r in enumerate(results) if r.ok]
+        if not hits:
+            return results
+        hit_rows = chunk_buf[hits] if len(hits) < n else chunk_buf
+        share = hit_rows if self._extract is None else _extract_share(hit_rows, self._extract)
+        ids = [block_ids[i] for i in hits]
+        device = local_tensors[0].device if local_tensors else torch.device("cpu")
+        scatter_blocks(self.mapping, share.to(device), local_tensors, ids)
+        return results
+
+
+def _chunks_in_share_order(mapping: RankMapping) -> bool:
+    """True when the share is exactly the rank's whole chunks back to back, in chunk order."""
+    position = 0
+    previous = -1
+    for s in mapping.segments:
+        if s.share_offset != position or s.chunk <= previous or s.chunk_offset != 0:
+            return False
+        if s.size != mapping.geometry.inner_chunk_bytes:
+            return False
+        position += s.size
+        previous = s.chunk
+    return True
+
+
+def _share_extract(
+    mapping: RankMapping, chunk_nbytes: int, read_chunks: Sequence[int]
+) -> _ShareExtract:
+    """Index cutting the share out of whole chunks read in ``read_chunks`` order."""
+    slot = {c: i for i, c in enumerate(read_chunks)}
+    unit = chunk_nbytes
+    for s in mapping.segments:
+        unit = math.gcd(unit, s.size, s.chunk_offset, s.share_offset)
+    index = np.empty(mapping.share_bytes // unit, dtype=np.int64)
+    for s in mapping.segments:
+        src = (slot[s.chunk] * chunk_nbytes + s.chunk_offset) // unit
+        dst = s.share_offset // unit
+        count = s.size // unit
+        index[dst : dst + count] = np.arange(src, src + count)
+    return _ShareExtract(unit, torch.from_numpy(index))
+
+
+def _extract_share(chunk_rows: torch.Tensor, extract: _ShareExtract) -> torch.Tensor:
+    n = chunk_rows.shape[0]
+    units = chunk_rows.reshape(n, -1, extract.unit)
+    return units.index_select(1, extract.index).reshape(n, -1)
