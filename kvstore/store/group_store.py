@@ -455,6 +455,8 @@ class GroupStore:
         layout = self.layout
         chunks = list(range(layout.num_chunks)) if req.chunks is None else list(req.chunks)
         out = _byte_view(req.out)
+        if out.readonly:
+            raise ValueError("read buffer: expected writable memory, got a read-only buffer")
         need = len(chunks) * layout.chunk_nbytes
         if len(out) < need:
             raise ValueError(f"read buffer: expected at least {need} bytes, got {len(out)}")

@@ -8,6 +8,7 @@ namespace at once write identical bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -18,7 +19,7 @@ from zarr.storage import MemoryStore
 
 from kvstore.errors import StoreFormatError
 from kvstore.identity import GroupSpec, Identity
-from kvstore.io.fileio import FileIO
+from kvstore.io.fileio import FileIO, write_fully
 from kvstore.store.format import FORMAT_VERSION, ShardLayout
 
 STORE_ATTRS: dict[str, Any] = {"format": "kvstore", "version": FORMAT_VERSION}
@@ -108,12 +109,17 @@ def write_document(fio: FileIO, directory: Path, content: bytes, durable: bool) 
     tmp = directory / f".{ZARR_JSON}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
     fd = fio.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        fio.pwritev(fd, [content], 0)
-        if durable:
-            fio.fdatasync(fd)
-    finally:
-        fio.close(fd)
-    fio.rename(str(tmp), str(final))
+        try:
+            write_fully(fio, fd, [content], 0)  # a short pwritev must not truncate the document
+            if durable:
+                fio.fdatasync(fd)
+        finally:
+            fio.close(fd)
+        fio.rename(str(tmp), str(final))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            fio.unlink(str(tmp))
+        raise
     if durable:
         fio.fsync_dir(str(directory))
 

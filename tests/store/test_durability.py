@@ -1,0 +1,164 @@
+"""Durability: with "full", data is synced before the rename and the directory after it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.store.group_store import TMP_MARK, GroupStore
+from kvstore.store.types import (
+    BlockRead,
+    BlockWrite,
+    ChunkWrite,
+    RangeWrite,
+    ReadStatus,
+    WriteStatus,
+)
+from tests.helpers import (
+    RecordingFileIO,
+    StoreFactory,
+    block_bytes,
+    make_small_identity,
+)
+
+
+def recording_group(
+    make_store: StoreFactory, durability: str, direct_io: str = "auto"
+) -> tuple[GroupStore, RecordingFileIO]:
+    fio = RecordingFileIO()
+    store = make_store(fio=fio, durability=durability, direct_io=direct_io)
+    group = store.namespace(make_small_identity()).group(0)
+    fio.clear()  # only the block operations from here on
+    return group, fio
+
+
+def hashes_sharing_a_fanout_dir() -> list[bytes]:
+    """Three hashes: two with first byte 0x07, one with 0x08."""
+    return [
+        bytes([0x07, 1]) + bytes(30),
+        bytes([0x07, 2]) + bytes(30),
+        bytes([0x08, 3]) + bytes(30),
+    ]
+
+
+def index_of(ops: list[tuple[str, str, str]], op: str, path: str, other: str = "") -> int:
+    matches = [
+        i for i, o in enumerate(ops) if o[0] == op and o[1] == path and (not other or o[2] == other)
+    ]
+    assert len(matches) == 1, (op, path, matches)
+    return matches[0]
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_full_durability_whole_blocks(make_store: StoreFactory, direct_io: str) -> None:
+    group, fio = recording_group(make_store, "full", direct_io)
+    hashes = hashes_sharing_a_fanout_dir()
+    data = block_bytes(group.layout, 0)
+    results = group.write_blocks([BlockWrite(h, data) for h in hashes])
+    assert [r.status for r in results] == [WriteStatus.WRITTEN] * 3
+    ops = fio.ops
+    for h in hashes:
+        final = group.path_of(h)
+        (tmp,) = [o[1] for o in ops if o[0] == "open" and o[1].startswith(final + TMP_MARK)]
+        synced = index_of(ops, "fdatasync", tmp)
+        closed = index_of(ops, "close", tmp)
+        renamed = index_of(ops, "rename", tmp, final)
+        dir_synced = index_of(ops, "fsync_dir", os.path.dirname(final))
+        assert synced < closed < renamed < dir_synced
+    # The directory fsync is batched: once per fan-out directory per call, after all renames.
+    dir_syncs = [o[1] for o in ops if o[0] == "fsync_dir"]
+    assert sorted(dir_syncs) == sorted({os.path.dirname(group.path_of(h)) for h in hashes})
+    assert len(dir_syncs) == 2
+    last_rename = max(i for i, o in enumerate(ops) if o[0] == "rename")
+    first_dir_sync = min(i for i, o in enumerate(ops) if o[0] == "fsync_dir")
+    assert last_rename < first_dir_sync
+
+
+def test_full_durability_multi_writer(make_store: StoreFactory) -> None:
+    group, fio = recording_group(make_store, "full")
+    layout = group.layout
+    data = block_bytes(layout, 1)
+    h = bytes([0x09]) + bytes(31)
+    (pending,) = group.begin_blocks([h])
+    tmp = group.temp_path(pending)
+    final = group.path_of(h)
+    size = layout.chunk_nbytes
+    token = layout.elems_per_token * layout.itemsize
+    group.write_chunks([ChunkWrite(pending, [0, 1, 2, 3], data[: 4 * size])])
+    after_chunks = len([o for o in fio.ops if o == ("fdatasync", tmp, "")])
+    assert after_chunks == 1  # the writer synced its part before returning
+    # Chunks 4 and 5 by token ranges (two writers), checksummed at commit.
+    for rank in range(2):
+        ranges = [
+            (c * size + t * token, data[c * size + t * token : c * size + (t + 1) * token])
+            for c in (4, 5)
+            for t in range(rank, layout.tokens, 2)
+        ]
+        assert group.write_ranges([RangeWrite(pending, ranges)]) == [None]
+    (result,) = group.commit_blocks([pending], checksum_chunks=[[4, 5]])
+    assert result.status is WriteStatus.WRITTEN
+    ops = fio.ops
+    syncs = [i for i, o in enumerate(ops) if o == ("fdatasync", tmp, "")]
+    assert len(syncs) == 4  # chunk writer, two range writers, the commit's checksum write
+    renamed = index_of(ops, "rename", tmp, final)
+    dir_synced = index_of(ops, "fsync_dir", os.path.dirname(final))
+    assert max(syncs) < renamed < dir_synced
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_no_durability_no_syncs(make_store: StoreFactory, root: Path, direct_io: str) -> None:
+    fio = RecordingFileIO()
+    store = make_store(fio=fio, durability="none", direct_io=direct_io)
+    group = store.namespace(make_small_identity()).group(0)
+    data = block_bytes(group.layout, 2)
+    hashes = hashes_sharing_a_fanout_dir()
+    assert [r.status for r in group.write_blocks([BlockWrite(h, data) for h in hashes])] == [
+        WriteStatus.WRITTEN
+    ] * 3
+    (pending,) = group.begin_blocks([bytes([0x0A]) + bytes(31)])
+    group.write_chunks([ChunkWrite(pending, list(range(6)), data)])
+    assert group.commit_blocks([pending])[0].status is WriteStatus.WRITTEN
+    ops = fio.ops
+    assert [o for o in ops if o[0] in ("fdatasync", "fsync_dir")] == []  # metadata included
+    assert len([o for o in ops if o[0] == "rename" and TMP_MARK in o[1]]) >= 4  # still atomic
+
+
+def test_full_durability_metadata_documents(make_store: StoreFactory, root: Path) -> None:
+    fio = RecordingFileIO()
+    store = make_store(fio=fio, durability="full")
+    store.namespace(make_small_identity())
+    ops = fio.ops
+    renames = [(i, o) for i, o in enumerate(ops) if o[0] == "rename" and o[2].endswith("zarr.json")]
+    assert len(renames) == 3  # root, namespace, g0
+    for i, (_, src, dst) in renames:
+        synced = index_of(ops, "fdatasync", src)
+        dir_synced = [j for j, o in enumerate(ops) if o == ("fsync_dir", os.path.dirname(dst), "")]
+        assert synced < i < min(j for j in dir_synced if j > i)
+
+
+def test_directory_fsync_failure_is_reported(make_store: StoreFactory) -> None:
+    """The renames happened, but without the directory sync the write is not acknowledged."""
+
+    class FailingDirSync(RecordingFileIO):
+        def fsync_dir(self, path: str) -> None:
+            if "/c/" in path:
+                raise OSError(5, "injected EIO in fsync_dir")
+            super().fsync_dir(path)
+
+    store = make_store(fio=FailingDirSync(), durability="full")
+    group = store.namespace(make_small_identity()).group(0)
+    h = bytes([0x0B]) + bytes(31)
+    data = block_bytes(group.layout, 3)
+    (result,) = group.write_blocks([BlockWrite(h, data)])
+    assert result.status is WriteStatus.FAILED
+    assert result.error.startswith("directory fsync failed: ")
+    assert group.stats.snapshot()["write_failures"] == 1
+    # The file was renamed before the directory sync failed; whatever is visible is complete.
+    out = np.zeros_like(data)
+    (read,) = group.read_blocks([BlockRead(h, out)])
+    assert read.status in (ReadStatus.HIT, ReadStatus.MISS)
+    if read.ok:
+        np.testing.assert_array_equal(out, data)
