@@ -55,6 +55,7 @@ def write_with(
         rows = canonical[[i % len(canonical) for i in range(start, start + len(batch))]]
         ids = list(range(len(batch)))
         chunks: tuple[int, ...] = ()
+        range_writers = 0
         for mapping in mappings:
             tensors = [
                 torch.empty(len(batch), mapping.page_bytes, dtype=torch.uint8)
@@ -62,11 +63,11 @@ def write_with(
             ]
             scatter_blocks(mapping, rows, tensors, ids)
             rio = RankIO(group, mapping)
-            chunks = rio.commit_checksum_chunks
+            chunks, range_writers = rio.commit_checksum_chunks, rio.commit_range_writers
             errors = rio.store(tensors, pendings, ids)
             if any(errors):
                 raise RuntimeError(f"bench: rank write failed: {next(e for e in errors if e)}")
-        results = group.commit_blocks(pendings, [chunks] * len(pendings))
+        results = group.commit_blocks(pendings, [chunks] * len(pendings), range_writers)
         if not all(r.status.value == "written" for r in results):
             raise RuntimeError(f"bench: commit failed: {results[0]}")
 

@@ -162,9 +162,9 @@ def _write_with_ranks(
     if failed:
         group.abort_blocks(pendings)
         return [WriteResult(WriteStatus.FAILED, f"{failed} rank writes failed")], 0.0
-    checksum = demo_ranks.commit_checksum_chunks(tasks[0])
+    checksum, range_writers = demo_ranks.commit_plan(tasks[0])
     t0 = time.perf_counter()
-    committed = group.commit_blocks(pendings, [checksum] * len(pendings))
+    committed = group.commit_blocks(pendings, [checksum] * len(pendings), range_writers)
     seconds = max(s for _, s in per_rank) + time.perf_counter() - t0
     return [*committed, *exists], seconds
 

@@ -125,9 +125,8 @@ def read_rank(task: RankTask, hashes: Sequence[bytes]) -> tuple[int, int, int, f
     return ok, bad, ok * rio.read_nbytes, seconds
 
 
-def commit_checksum_chunks(task: RankTask) -> tuple[int, ...]:
-    """Chunks the committer checksums (token-split layouts), as every rank computes it."""
-    _, mapping = _rank(task)
-    if not mapping.partial_chunks:
-        return ()
-    return tuple(range(mapping.geometry.num_inner_chunks))
+def commit_plan(task: RankTask) -> tuple[tuple[int, ...], int]:
+    """(chunks the committer checksums, range writers it waits for), as the ranks compute it."""
+    group, mapping = _rank(task)
+    rio = RankIO(group, mapping)
+    return rio.commit_checksum_chunks, rio.commit_range_writers

@@ -8,7 +8,8 @@ block this rank holds, and whether it is the elected writer) to a
   staging buffer and, for the blocks it is elected to write, writes its inner chunks into the
   block's pending file (multi-writer protocol, DESIGN.md §4). Whole inner chunks go with their
   checksums; chunks split over token shards (DCP) go as byte ranges and are checksummed at
-  commit (:attr:`RankIO.commit_checksum_chunks`).
+  commit (:attr:`RankIO.commit_checksum_chunks`), which also requires the completion marker
+  of every range writer (:attr:`RankIO.commit_range_writers`).
 * :meth:`RankIO.load` reads only the inner chunks the rank holds (verified against their
   checksums), and scatters the rank's share into its local tensors for the hits.
 
@@ -33,7 +34,7 @@ from kvstore.errors import LayoutError
 from kvstore.identity import Identity
 from kvstore.keys import writer_election_key
 from kvstore.layout.page import gather_blocks, scatter_blocks
-from kvstore.layout.parallel import GroupGeometry, RankMapping
+from kvstore.layout.parallel import GroupGeometry, RankMapping, map_all_ranks
 from kvstore.models import ModelGeometry
 from kvstore.store.group_store import GroupStore
 from kvstore.store.types import (
@@ -100,6 +101,10 @@ class RankIO:
         self.commit_checksum_chunks: tuple[int, ...] = (
             tuple(range(layout.num_chunks)) if mapping.partial_chunks else ()
         )
+        # Range writers leave a completion marker in their slot; the committer requires all.
+        self.range_writer_slot, self.commit_range_writers = _range_writer_slot(mapping)
+        # Range writers leave a completion marker in their slot; the committer requires all.
+        self.range_writer_slot, self.commit_range_writers = _range_writer_slot(mapping)
         if not mapping.partial_chunks and not _chunks_in_share_order(mapping):
             # Whole-chunk writes send the share as the chunks back to back; the mapping
             # guarantees canonical order, so anything else is a mapping bug: fail closed.
@@ -165,6 +170,7 @@ class RankIO:
                             )
                             for s in self.mapping.segments
                         ],
+                        self.range_writer_slot,
                     )
                     for row, i in enumerate(mine)
                 ]
@@ -211,6 +217,20 @@ class RankIO:
         device = local_tensors[0].device if local_tensors else torch.device("cpu")
         scatter_blocks(self.mapping, share.to(device), local_tensors, ids)
         return results
+
+
+def _share_class(mapping: RankMapping) -> tuple[int, tuple[int, ...], int]:
+    """Ranks with equal class hold identical bytes; exactly one of them writes each block."""
+    return (mapping.rank.pp_rank, mapping.heads, mapping.layout.token_shard(mapping.rank))
+
+
+def _range_writer_slot(mapping: RankMapping) -> tuple[int, int]:
+    """(this rank's slot, number of range writers per block); (0, 0) without range writes."""
+    if not mapping.partial_chunks:
+        return 0, 0
+    everyone = map_all_ranks(mapping.geometry, mapping.layout, mapping.form)
+    classes = sorted({_share_class(m) for m in everyone if m.share_bytes})
+    return classes.index(_share_class(mapping)), len(classes)
 
 
 def _chunks_in_share_order(mapping: RankMapping) -> bool:

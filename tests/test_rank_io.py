@@ -16,6 +16,7 @@ import torch
 from kvstore import KVStore, StoreConfig
 from kvstore.identity import GroupSpec, Identity
 from kvstore.layout import GroupGeometry, LocalForm, ParallelLayout, RankCoord, map_rank
+from kvstore.layout.parallel import Family
 from kvstore.rank_io import RankIO, group_geometry
 from kvstore.store.group_store import GroupStore
 from kvstore.store.types import BlockRead, PendingBlock, ReadStatus, WriteStatus
@@ -84,7 +85,9 @@ def write_with_layout(
         assert errors == [None] * len(hashes)
         rio = RankIO(group, map_rank(geometry, layout, form, coord))
     assert rio is not None
-    results = group.commit_blocks(pendings, [rio.commit_checksum_chunks] * len(pendings))
+    results = group.commit_blocks(
+        pendings, [rio.commit_checksum_chunks] * len(pendings), rio.commit_range_writers
+    )
     assert [r.status for r in results] == [WriteStatus.WRITTEN] * len(hashes), results
 
 
@@ -132,7 +135,7 @@ def test_written_by_one_layout_read_by_others(
     tokens: int,
     write: str,
     reads: list[str],
-    family: str,
+    family: Family,
 ) -> None:
     identity = _identity(kind, heads, layers, tokens)
     geometry = group_geometry(identity, 0, range(layers), layers)
@@ -219,7 +222,7 @@ def _process_writer(
     identity = _identity("full", 4, 4, 16)
     geometry = group_geometry(identity, 0, range(4), 4)
     kv = full_kv(geometry, N_BLOCKS, seed=42)
-    with KVStore(StoreConfig(root=root, durability="full")) as store:
+    with KVStore(StoreConfig(root=Path(root), durability="full")) as store:
         group = store.namespace(identity).group(0)
         errors = _write_rank(
             group,

@@ -108,7 +108,7 @@ def write_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> No
         if done <= 0:
             raise OSError(errno.ENOSPC, "pwritev made no progress")
         pos += done
-        pending = _advance(pending, done) if done < want else pending[len(batch):]
+        pending = _advance(pending, done) if done < want else pending[len(batch) :]
 
 
 def read_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> int:
@@ -124,7 +124,7 @@ def read_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> int
             return total
         total += done
         pos += done
-        pending = _advance(pending, done) if done < want else pending[len(batch):]
+        pending = _advance(pending, done) if done < want else pending[len(batch) :]
     return total
 
 

@@ -20,6 +20,7 @@ that other writers share.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -77,10 +78,8 @@ def probe_direct_io(directory: Path, mode: str, fio: FileIO = DEFAULT_FILEIO) ->
         except OSError as exc:
             result = DirectIOProbe(False, f"O_DIRECT probe failed in {directory}: {exc}")
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 fio.unlink(str(probe))
-            except OSError:
-                pass
     if not result.enabled:
         if mode == "on":
             raise ConfigError(f"direct_io=on: expected O_DIRECT to work, but {result.reason}")
@@ -140,6 +139,22 @@ class HostEngine:
         try:
             for offset, buffers in _coalesce(segments):
                 write_fully(self.fio, fd, buffers, offset)
+            if exclusive:
+                self.fio.ftruncate(fd, file_nbytes)
+            # Shared (multi-writer) files are never truncated by a writer: other writers'
+            # completion markers may lie past file_nbytes; the committer truncates.
+            if self.config.durable:
+                self.fio.fdatasync(fd)
+        finally:
+            self.fio.close(fd)
+
+    def finish_file(self, path: str, file_nbytes: int, segments: Sequence[Segment] = ()) -> None:
+        """The committer's step on a shared temporary file: write its last ``segments``, cut it
+        to its final size, sync it once."""
+        fd = self.fio.open(path, os.O_WRONLY)
+        try:
+            for offset, buffers in _coalesce(segments):
+                write_fully(self.fio, fd, buffers, offset)
             self.fio.ftruncate(fd, file_nbytes)
             if self.config.durable:
                 self.fio.fdatasync(fd)
@@ -190,14 +205,16 @@ class HostEngine:
         segments: Sequence[Segment],
         file_nbytes: int,
         touch_if_older_than_ns: int = 0,
+        *,
+        allow_trailer: bool = False,
     ) -> None:
         """Fill ``segments`` from published file ``path`` of expected size ``file_nbytes``.
 
         Raises :class:`BlockMissingError` if it does not exist and :class:`CorruptBlockError`
-        if its size is wrong or a read comes back short. If the file's mtime is older than
-        ``touch_if_older_than_ns`` it is set to now after the read: mtime is the block's last
-        use, which eviction orders by (atime cannot be trusted under relatime/noatime). A
-        read-only store simply keeps its old times.
+        if its size is wrong (``allow_trailer``: shorter) or a read comes back short. If the
+        file's mtime is older than ``touch_if_older_than_ns`` it is set to now after the read:
+        mtime is the block's last use, which eviction orders by (atime cannot be trusted under
+        relatime/noatime). A read-only store simply keeps its old times.
         """
         try:
             fd = self.fio.open(path, os.O_RDONLY)
@@ -205,7 +222,7 @@ class HostEngine:
             raise BlockMissingError(path) from None
         try:
             st = self.fio.fstat(fd)
-            if st.st_size != file_nbytes:
+            if st.st_size != file_nbytes and not (allow_trailer and st.st_size > file_nbytes):
                 raise CorruptBlockError(
                     f"file size: expected {file_nbytes} bytes, got {st.st_size}"
                 )
@@ -215,10 +232,9 @@ class HostEngine:
                 if got != want:
                     raise CorruptBlockError(f"short read at {offset}: expected {want}, got {got}")
             if st.st_mtime_ns < touch_if_older_than_ns:
-                try:
+                # A read-only mount or foreign owner: last-use tracking is best effort.
+                with contextlib.suppress(OSError):
                     self.fio.touch(fd)
-                except OSError:
-                    pass  # read-only mount or foreign owner: last-use tracking is best effort
         finally:
             self.fio.close(fd)
 

@@ -264,7 +264,8 @@ def check_header(
     """Raise :class:`CorruptBlockError` unless ``header`` belongs exactly where it was found."""
     if header.block_hash != block_hash:
         raise CorruptBlockError(
-            f"mis-keyed block: expected hash {block_hash.hex()}, header has {header.block_hash.hex()}"
+            f"mis-keyed block: expected hash {block_hash.hex()}, "
+            f"header has {header.block_hash.hex()}"
         )
     if header.namespace_digest != namespace_digest:
         raise CorruptBlockError(

@@ -21,6 +21,7 @@ file and are only ever removed, so a reader never sees a partial block. A crash 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -55,6 +56,7 @@ from kvstore.store.types import (
 log = logging.getLogger("kvstore")
 
 TMP_MARK = ".tmp-"
+MAX_RANGE_WRITERS = 4096  # completion-marker bytes a pending file may carry past its end
 _ZEROS = memoryview(bytes(fmt.ALIGN))
 
 
@@ -334,7 +336,14 @@ class GroupStore:
 
     def _write_ranges_one(self, item: RangeWrite) -> None:
         layout = self.layout
+        if not 0 <= item.writer_slot < MAX_RANGE_WRITERS:
+            raise KvstoreError(
+                f"range writer slot: expected 0..{MAX_RANGE_WRITERS - 1}, got {item.writer_slot}"
+            )
         segments = self._shared_segments(item.pending)
+        # Completion marker past the end of the block: the committer checks every range writer
+        # reported, since a missing writer's bytes are indistinguishable from zeros.
+        segments.append((layout.file_nbytes + item.writer_slot, memoryview(b"\x01")))
         for offset, buffer in item.ranges:
             data = _byte_view(buffer)
             chunk, within = divmod(offset, layout.chunk_nbytes)
@@ -359,61 +368,79 @@ class GroupStore:
         self,
         pendings: Sequence[PendingBlock],
         checksum_chunks: Sequence[Sequence[int]] | None = None,
+        range_writers: int = 0,
     ) -> list[WriteResult]:
         """Publish pending blocks whose writers all finished.
 
         ``checksum_chunks[i]`` lists the inner chunks of ``pendings[i]`` written by ranges
-        (several writers): their checksums are computed now. A block is published only if its
-        file has the right size, a valid header for this key, and a checksum in every slot;
-        otherwise it is discarded (FAILED) and never becomes visible.
+        (several writers): their checksums are computed now. ``range_writers`` is how many
+        range writers (slots ``0..range_writers-1``) each block must have heard from. A block
+        is published only if its file has the right size, a valid header for this key, every
+        range writer's completion marker and a checksum in every slot; otherwise it is
+        discarded (FAILED) and never becomes visible.
         """
         todo = checksum_chunks if checksum_chunks is not None else [()] * len(pendings)
-        results = self.engine.map(self._commit_one, list(zip(pendings, todo, strict=True)))
+        items = [(p, c, range_writers) for p, c in zip(pendings, todo, strict=True)]
+        results = self.engine.map(self._commit_one, items)
         return self._finish_writes(results, [p.block_hash for p in pendings])
 
     def _commit_one(
-        self, item: tuple[PendingBlock, Sequence[int]]
+        self, item: tuple[PendingBlock, Sequence[int], int]
     ) -> tuple[WriteStatus, str | None]:
-        pending, chunks = item
+        pending, chunks, range_writers = item
         tmp = self.temp_path(pending)
         final = self.path_of(pending.block_hash)
         try:
             if self._fio.exists(final):
                 self._remove_quietly(tmp)
                 return WriteStatus.EXISTS, None
-            self._complete_checksums(tmp, pending, chunks)
+            slot_writes = self._complete_checksums(tmp, pending, chunks, range_writers)
+            self.engine.finish_file(tmp, self.layout.file_nbytes, slot_writes)
             self._fio.rename(tmp, final)
         except BaseException:
             self._remove_quietly(tmp)
             raise
         return WriteStatus.WRITTEN, os.path.dirname(final)
 
-    def _complete_checksums(self, tmp: str, pending: PendingBlock, chunks: Sequence[int]) -> None:
-        """Fill checksum slots of range-written chunks, then check the file is complete."""
+    def _complete_checksums(
+        self, tmp: str, pending: PendingBlock, chunks: Sequence[int], range_writers: int
+    ) -> list[Segment]:
+        """Check every writer reported; return the checksum slot writes of range-written chunks."""
         layout = self.layout
         header = bytearray(layout.header_nbytes)
         chunk_bufs = [bytearray(layout.chunk_nbytes) for _ in chunks]
+        markers = bytearray(range_writers)
         segments = [(0, memoryview(header))] + [
             (layout.chunk_offset(c), memoryview(b)) for c, b in zip(chunks, chunk_bufs, strict=True)
         ]
-        self.engine.read_file(tmp, segments, layout.file_nbytes)
+        self.engine.read_file(tmp, segments, layout.file_nbytes, allow_trailer=True)
+        if range_writers:
+            try:
+                marks = [(layout.file_nbytes, memoryview(markers))]
+                self.engine.read_file(tmp, marks, layout.file_nbytes, allow_trailer=True)
+            except CorruptBlockError:
+                pass  # the file ends before the last slots: those writers never reported
+        silent = [slot for slot, flag in enumerate(markers) if flag != 1]
+        if silent:
+            raise KvstoreError(
+                f"incomplete block: range writer slot(s) {silent} of {range_writers} never wrote"
+            )
         check_header_for(fmt.decode_header(header), self, pending.block_hash)
         slots = fmt.decode_checksums(header, layout.num_chunks).copy()
+        writes: list[Segment] = []
         if chunks:
             fn = checksum_function(pending.checksum_algo)
-            writes: list[Segment] = []
             for c, buf in zip(chunks, chunk_bufs, strict=True):
                 slots[c] = fn(memoryview(buf))
-                writes.append(
-                    (fmt.checksum_slot_offset(c), memoryview(fmt.encode_checksums([int(slots[c])])))
-                )
-            self.engine.write_file(tmp, writes, layout.file_nbytes, exclusive=False)
+                slot = memoryview(fmt.encode_checksums([int(slots[c])]))
+                writes.append((fmt.checksum_slot_offset(c), slot))
         missing = np.flatnonzero(slots == 0)
         if len(missing):
             raise KvstoreError(
                 f"incomplete block: {len(missing)} of {layout.num_chunks} inner chunks were never "
                 f"written (first: chunk {int(missing[0])})"
             )
+        return writes
 
     def abort_blocks(self, pendings: Sequence[PendingBlock]) -> None:
         """Remove the temporary files of pending blocks that will not be committed."""
@@ -534,7 +561,8 @@ class GroupStore:
         if self._quarantine_dir is None:
             self._remove_quietly(path)
             return "removed"
-        name = f"g{self.index}-{os.path.basename(os.path.dirname(path))}-{os.path.basename(path)}-{time.time_ns()}"
+        hi, lo = os.path.basename(os.path.dirname(path)), os.path.basename(path)
+        name = f"g{self.index}-{hi}-{lo}-{time.time_ns()}"
         target = self._quarantine_dir / name
         try:
             self._fio.makedirs(str(self._quarantine_dir))
@@ -587,10 +615,8 @@ class GroupStore:
                 yield StoredBlock(Path(entry.path), hi, int(entry.name), st.st_size, st.st_mtime_ns)
 
     def _remove_quietly(self, path: str) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._fio.unlink(path)
-        except OSError:
-            pass
 
 
 def check_header_for(header: BlockHeader, group: GroupStore, block_hash: bytes) -> None:

@@ -33,12 +33,14 @@ def root_document() -> bytes:
 
 def namespace_document(identity: Identity) -> bytes:
     """A namespace group's zarr.json, carrying its identity and digest."""
-    attrs: dict[str, Any] = {"kvstore": {"identity": identity.to_json(), "digest": identity.digest.hex()}}
+    attrs: dict[str, Any] = {
+        "kvstore": {"identity": identity.to_json(), "digest": identity.digest.hex()}
+    }
     return _build(lambda st: zarr.open_group(st, mode="w", attributes=attrs))
 
 
 def array_document(identity: Identity, index: int) -> bytes:
-    """The zarr.json of array ``g<index>``: one shard per block, one inner chunk per (head, layer)."""
+    """The zarr.json of array ``g<index>``: a shard per block, an inner chunk per (head, layer)."""
     group = identity.groups[index]
     dtype = identity.dtype
     layout = ShardLayout.for_group(group, identity.tokens_per_block, dtype.itemsize)
@@ -136,7 +138,9 @@ def read_document(directory: Path) -> dict[str, Any] | None:
     try:
         doc = json.loads(text)
     except ValueError as exc:
-        raise StoreFormatError(f"{path}: expected a zarr v3 JSON document, got invalid JSON ({exc})") from exc
+        raise StoreFormatError(
+            f"{path}: expected a zarr v3 JSON document, got invalid JSON ({exc})"
+        ) from exc
     if not isinstance(doc, dict) or doc.get("zarr_format") != 3:
         raise StoreFormatError(f"{path}: expected a zarr v3 document (zarr_format 3)")
     return doc

@@ -35,7 +35,13 @@ QUARANTINE = "quarantine"
 class KVStore:
     """An open store root."""
 
-    def __init__(self, config: StoreConfig | None = None, *, fio: FileIO = DEFAULT_FILEIO, create: bool = True) -> None:
+    def __init__(
+        self,
+        config: StoreConfig | None = None,
+        *,
+        fio: FileIO = DEFAULT_FILEIO,
+        create: bool = True,
+    ) -> None:
         self.config = config or StoreConfig()
         self.root = self.config.root.absolute()
         self.fio = fio
@@ -56,7 +62,9 @@ class KVStore:
                 )
             if not create:
                 raise StoreFormatError(f"store root {self.root}: no kvstore store here")
-            metadata.write_document(self.fio, self.root, metadata.root_document(), self.config.durable)
+            metadata.write_document(
+                self.fio, self.root, metadata.root_document(), self.config.durable
+            )
             return
         attrs = metadata.kvstore_attrs(doc)
         if attrs != metadata.STORE_ATTRS:
@@ -82,7 +90,9 @@ class KVStore:
         if doc is None:
             if not create:
                 raise StoreFormatError(f"namespace {name} does not exist in {self.root}")
-            metadata.write_document(self.fio, path, metadata.namespace_document(identity), self.config.durable)
+            metadata.write_document(
+                self.fio, path, metadata.namespace_document(identity), self.config.durable
+            )
         else:
             stored = _stored_identity(path, doc)
             if stored != identity:
@@ -125,7 +135,10 @@ class KVStore:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 

@@ -99,6 +99,7 @@ class RangeWrite:
 
     pending: PendingBlock
     ranges: Sequence[tuple[int, Buffer]]  # (offset in the canonical block, bytes); within a chunk
+    writer_slot: int = 0  # this writer's number among the block's range writers (see commit)
 
 
 @dataclass
@@ -125,4 +126,6 @@ class StoreStats:
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+            return {
+                f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")
+            }

@@ -102,7 +102,7 @@ def test_full_durability_multi_writer(make_store: StoreFactory) -> None:
     assert result.status is WriteStatus.WRITTEN
     ops = fio.ops
     syncs = [i for i, o in enumerate(ops) if o == ("fdatasync", tmp, "")]
-    assert len(syncs) == 4  # chunk writer, two range writers, the commit's checksum write
+    assert len(syncs) == 4  # chunk writer, two range writers, the commit (slots + truncate)
     renamed = index_of(ops, "rename", tmp, final)
     dir_synced = index_of(ops, "fsync_dir", os.path.dirname(final))
     assert max(syncs) < renamed < dir_synced

@@ -318,17 +318,33 @@ def test_writers_in_separate_processes(make_store: StoreFactory, root: Path) -> 
     assert tmp_files(root) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: commit cannot tell that a token-range writer never ran; the chunk's "
-    "checksum is computed over the zeros it left, and the block is published",
-)
-def test_missing_range_writer_fails_commit(make_store: StoreFactory) -> None:
+def test_missing_range_writer_fails_commit(make_store: StoreFactory, root: Path) -> None:
+    """A token-range writer that never ran leaves zeros that a checksum cannot tell from data;
+    its missing completion marker makes the commit fail instead."""
     a, _ = writers(make_store, make_small_identity(), 2)
     data = block_bytes(a.layout, 15)
     h = block_hash(15)
     chunks = list(range(a.layout.num_chunks))
     (pending,) = a.begin_blocks([h])
-    a.write_ranges([RangeWrite(pending, dcp_ranges(a, data, chunks, 0, 2))])  # rank 1 died
-    (result,) = a.commit_blocks([pending], checksum_chunks=[chunks])
+    a.write_ranges([RangeWrite(pending, dcp_ranges(a, data, chunks, 0, 2), writer_slot=0)])
+    (result,) = a.commit_blocks([pending], checksum_chunks=[chunks], range_writers=2)  # 1 died
     assert result.status is WriteStatus.FAILED
+    assert "range writer slot(s) [1]" in result.error
+    assert a.contains([h]) == [False]
+    assert tmp_files(root) == []
+
+
+def test_all_range_writers_reported_publishes_exact_size(make_store: StoreFactory) -> None:
+    a, b = writers(make_store, make_small_identity(), 2)
+    data = block_bytes(a.layout, 16)
+    h = block_hash(16)
+    chunks = list(range(a.layout.num_chunks))
+    (pending,) = a.begin_blocks([h])
+    a.write_ranges([RangeWrite(pending, dcp_ranges(a, data, chunks, 0, 2), writer_slot=0)])
+    b.write_ranges([RangeWrite(pending, dcp_ranges(b, data, chunks, 1, 2), writer_slot=1)])
+    (result,) = a.commit_blocks([pending], checksum_chunks=[chunks], range_writers=2)
+    assert result.status is WriteStatus.WRITTEN
+    assert Path(a.path_of(h)).stat().st_size == a.layout.file_nbytes  # markers cut off
+    status, out = read_whole(a, h)
+    assert status is ReadStatus.HIT
+    np.testing.assert_array_equal(out, data)

@@ -1,0 +1,149 @@
+"""Reading block files for the admin tools: the header alone, or the whole file checked.
+
+A file is checked the way a reader checks it, and more: every byte is covered by some check
+(header crc, hash coordinates, identity, geometry, the fixed sharding index, each inner chunk's
+checksum, and zero padding), so a flipped bit anywhere in a block file is found.
+
+Both read through a plain descriptor and never set the file's mtime (that is a reader's record
+of last use; the admin tools are not readers). The checks are the format module's
+(:func:`~kvstore.store.format.decode_header`, :func:`~kvstore.store.format.check_header`,
+:func:`~kvstore.store.format.decode_checksums`), applied to a file found by listing, so the
+full hash comes from the header and is compared with the path's coordinates.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.checksum import checksum_function
+from kvstore.errors import CorruptBlockError, StoreFormatError
+from kvstore.io.fileio import DEFAULT_FILEIO, read_fully
+from kvstore.keys import hash_coords
+from kvstore.store import format as fmt
+from kvstore.store.format import BlockHeader, ShardLayout
+
+# Kinds of a bad block file (verify's finding kinds).
+TRUNCATED = "truncated"  # shorter than the geometry says (a torn copy, a full disk)
+OVERSIZED = "oversized"  # longer than the geometry says
+CORRUPT = "corrupt"  # bad magic / version / header crc / geometry / index / chunk checksum
+MIS_KEYED = "mis-keyed"  # a valid block stored under another hash's name
+MISPLACED = "misplaced"  # a valid block of another namespace or group
+
+
+@dataclass(frozen=True)
+class BlockFault:
+    """Why a block file is bad."""
+
+    kind: str
+    detail: str
+
+
+def read_header(path: str) -> BlockHeader:
+    """The decoded fixed header of a block file (self-checked: magic, version, crc).
+
+    Raises :class:`CorruptBlockError` for a bad header and ``OSError`` (FileNotFoundError when
+    it vanished) for I/O failures.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        raw = os.pread(fd, fmt.HEADER_FIXED_NBYTES, 0)
+    finally:
+        os.close(fd)
+    return fmt.decode_header(raw)
+
+
+def check_block_file(
+    path: str, layout: ShardLayout, namespace_digest: bytes, group: int, hi: int, lo: int
+) -> BlockFault | None:
+    """Read the whole file with one vectored read and check everything a reader would.
+
+    Size, header (magic, version, crc), hash coordinates = the path's ``(hi, lo)``, namespace
+    digest and group = where it lies, geometry = the array's, the sharding index, and the
+    checksum of every inner chunk. None when the block is intact. ``OSError`` propagates
+    (FileNotFoundError: it vanished while we looked).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size < layout.file_nbytes:
+            return BlockFault(TRUNCATED, f"file size: expected {layout.file_nbytes}, got {size}")
+        if size > layout.file_nbytes:
+            return BlockFault(OVERSIZED, f"file size: expected {layout.file_nbytes}, got {size}")
+        buf = bytearray(size)
+        got = read_fully(DEFAULT_FILEIO, fd, [buf], 0)
+    finally:
+        os.close(fd)
+    if got != size:
+        return BlockFault(TRUNCATED, f"short read: expected {size} bytes, got {got}")
+    return check_block_bytes(memoryview(buf), layout, namespace_digest, group, hi, lo)
+
+
+def check_block_bytes(
+    data: memoryview, layout: ShardLayout, namespace_digest: bytes, group: int, hi: int, lo: int
+) -> BlockFault | None:
+    """:func:`check_block_file` on bytes already read (``len(data) == layout.file_nbytes``)."""
+    try:
+        header = fmt.decode_header(data[: layout.header_nbytes])
+    except CorruptBlockError as exc:
+        return BlockFault(CORRUPT, str(exc))
+    coords = hash_coords(header.block_hash)
+    if coords != (hi, lo):
+        return BlockFault(
+            MIS_KEYED,
+            f"hash coordinates: expected {hi}/{lo} (the path), header hash "
+            f"{header.block_hash.hex()[:16]}… has {coords[0]}/{coords[1]}",
+        )
+    if header.namespace_digest != namespace_digest or header.group != group:
+        return BlockFault(
+            MISPLACED,
+            f"expected namespace {namespace_digest.hex()[:12]} group {group}, header has "
+            f"{header.namespace_digest.hex()[:12]} group {header.group}",
+        )
+    try:
+        fmt.check_header(header, layout, namespace_digest, group, header.block_hash)
+    except CorruptBlockError as exc:
+        return BlockFault(CORRUPT, str(exc))
+    index = data[layout.data_end : layout.data_end + layout.index_nbytes]
+    if index.tobytes() != layout.index_bytes:
+        return BlockFault(CORRUPT, "sharding index: expected the array's fixed index, got others")
+    try:
+        fn = checksum_function(header.checksum_algo)
+    except StoreFormatError as exc:
+        return BlockFault(CORRUPT, str(exc))
+    slots = fmt.decode_checksums(data[: layout.header_nbytes], layout.num_chunks)
+    bad = [
+        c
+        for c in range(layout.num_chunks)
+        if fn(data[layout.chunk_offset(c) : layout.chunk_offset(c) + layout.chunk_nbytes])
+        != int(slots[c])
+    ]
+    if bad:
+        return BlockFault(
+            CORRUPT,
+            f"checksum mismatch in {len(bad)} of {layout.num_chunks} inner chunks "
+            f"(first: chunk {bad[0]})",
+        )
+    if not _padding_is_zero(data, layout):
+        return BlockFault(CORRUPT, "padding: expected zero bytes, got non-zero (bytes damaged)")
+    return None
+
+
+def parent_key(header: BlockHeader) -> tuple[int, int] | None:
+    """The ``(hi, lo)`` coordinates of the block's parent, None for the first of a chain."""
+    return hash_coords(header.parent_hash) if header.parent_hash is not None else None
+
+
+def _padding_is_zero(data: memoryview, layout: ShardLayout) -> bool:
+    """Bytes no reader looks at (header tail, chunk stride padding) are zero, as written."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if raw[fmt.HEADER_FIXED_NBYTES - 4 : fmt.HEADER_FIXED_NBYTES].any():  # reserved u32
+        return False
+    if raw[fmt.HEADER_FIXED_NBYTES + 8 * layout.num_chunks : layout.header_nbytes].any():
+        return False
+    if layout.dense:
+        return True
+    pads = raw[layout.data_offset : layout.data_end].reshape(layout.num_chunks, layout.chunk_stride)
+    return not pads[:, layout.chunk_nbytes :].any()

@@ -1,0 +1,183 @@
+"""``kvstore du``: where a store's bytes are.
+
+Per namespace: published block bytes per group, temporary files (writes in flight or left by a
+crash), quarantined files, trash (evicted blocks waiting out the grace period) and foreign
+files; in the root: namespaces being removed, temporary and foreign entries. Sizes are
+``st_size`` sums of the files (see :mod:`kvstore.admin.scan`); ``gc_usage`` is what
+``kvstore gc --max-bytes`` compares with its budget (everything but trash and removed
+namespaces, which are already on their way out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from kvstore.admin.progress import Progress
+from kvstore.admin.report import print_json, print_lines, table, warn
+from kvstore.admin.scan import Entry, HeldFile, StoreScan, fanout_dirs, open_root, scan_store
+from kvstore.admin.sizes import format_size
+
+
+def _count(items: Iterable[Entry | HeldFile]) -> dict[str, int]:
+    files = nbytes = 0
+    for item in items:
+        files += item.files if isinstance(item, HeldFile) else 1
+        nbytes += item.size
+    return {"files": files, "bytes": nbytes}
+
+
+def usage(scan: StoreScan) -> dict[str, Any]:
+    """The JSON document of ``kvstore du`` for a finished scan."""
+    namespaces = []
+    for ns in scan.store.namespaces:
+
+        def mine(items: Iterable[Entry | HeldFile], name: str = ns.name) -> list[Any]:
+            return [i for i in items if i.namespace == name]
+
+        blocks = mine(scan.blocks)
+        groups = [
+            {"group": g.index, "blocks": len(sel), "bytes": sum(b.size for b in sel)}
+            for g in ns.groups
+            for sel in [[b for b in blocks if b.group == g.index]]
+        ]
+        temp, quarantine, trash = (
+            _count(mine(scan.temps)),
+            _count(mine(scan.quarantine)),
+            _count(mine(scan.trash)),
+        )
+        foreign = _count(mine(scan.foreign))
+        block_bytes = sum(g["bytes"] for g in groups)
+        namespaces.append(
+            {
+                "name": ns.name,
+                "blocks": len(blocks),
+                "block_bytes": block_bytes,
+                "groups": groups,
+                "temp": temp,
+                "quarantine": quarantine,
+                "trash": trash,
+                "foreign": foreign,
+                "bytes": block_bytes
+                + temp["bytes"]
+                + quarantine["bytes"]
+                + trash["bytes"]
+                + foreign["bytes"],
+            }
+        )
+    root_temp = _count(t for t in scan.temps if t.namespace is None)
+    root_foreign = _count(f for f in scan.foreign if f.namespace is None)
+    removed = _count(scan.removed)
+    counted = gc_usage(scan)
+    total = {
+        "blocks": len(scan.blocks),
+        "block_bytes": sum(b.size for b in scan.blocks),
+        "temp": _count(scan.temps),
+        "quarantine": _count(scan.quarantine),
+        "trash": _count(scan.trash),
+        "foreign": _count(scan.foreign),
+        "removed_namespaces": removed,
+        "gc_usage": counted,
+        "bytes": counted + _count(scan.trash)["bytes"] + removed["bytes"],
+    }
+    return {
+        "root": str(scan.store.root),
+        "namespaces": namespaces,
+        "root_entries": {"temp": root_temp, "foreign": root_foreign, "removed_namespaces": removed},
+        "total": total,
+    }
+
+
+def gc_usage(scan: StoreScan) -> int:
+    """Bytes ``kvstore gc`` counts against ``--max-bytes``: all but trash and removed namespaces."""
+    return (
+        sum(b.size for b in scan.blocks)
+        + sum(t.size for t in scan.temps)
+        + sum(q.size for q in scan.quarantine)
+        + sum(f.size for f in scan.foreign)
+    )
+
+
+def render(doc: dict[str, Any]) -> list[str]:
+    lines = [f"store {doc['root']}"]
+    rows: list[list[object]] = []
+    for ns in doc["namespaces"]:
+        rows.append(
+            [
+                ns["name"],
+                ns["blocks"],
+                format_size(ns["block_bytes"]),
+                format_size(ns["temp"]["bytes"]),
+                format_size(ns["quarantine"]["bytes"]),
+                format_size(ns["trash"]["bytes"]),
+                format_size(ns["foreign"]["bytes"]),
+                format_size(ns["bytes"]),
+            ]
+        )
+        if len(ns["groups"]) > 1:
+            rows.extend(
+                [f"  g{g['group']}", g["blocks"], format_size(g["bytes"]), "", "", "", "", ""]
+                for g in ns["groups"]
+            )
+    root = doc["root_entries"]
+    if root["temp"]["files"] or root["foreign"]["files"] or root["removed_namespaces"]["files"]:
+        rows.append(
+            [
+                "(root)",
+                "",
+                "",
+                format_size(root["temp"]["bytes"]),
+                "",
+                format_size(root["removed_namespaces"]["bytes"]) + " removed",
+                format_size(root["foreign"]["bytes"]),
+                format_size(
+                    root["temp"]["bytes"]
+                    + root["foreign"]["bytes"]
+                    + root["removed_namespaces"]["bytes"]
+                ),
+            ]
+        )
+    t = doc["total"]
+    rows.append(
+        [
+            "total",
+            t["blocks"],
+            format_size(t["block_bytes"]),
+            format_size(t["temp"]["bytes"]),
+            format_size(t["quarantine"]["bytes"]),
+            format_size(t["trash"]["bytes"] + t["removed_namespaces"]["bytes"]),
+            format_size(t["foreign"]["bytes"]),
+            format_size(t["bytes"]),
+        ]
+    )
+    headers = [
+        "namespace",
+        "blocks",
+        "blocks size",
+        "temp",
+        "quarantine",
+        "trash",
+        "foreign",
+        "total",
+    ]
+    lines += table(headers, rows)
+    lines.append(
+        f"  counted by gc --max-bytes: {format_size(t['gc_usage'])} ({t['gc_usage']} bytes)"
+    )
+    return lines
+
+
+def run(root: Path, *, as_json: bool) -> int:
+    """``kvstore du``: exit 0."""
+    store = open_root(root)
+    with Progress(fanout_dirs(store.namespaces), "scanning") as bar:
+        scan = scan_store(store, on_dir=bar.update)
+    for problem in store.problems:
+        warn(f"unreadable namespace {problem.path}: {problem.detail}")
+    doc = usage(scan)
+    if as_json:
+        print_json(doc)
+    else:
+        print_lines(render(doc))
+    return 0

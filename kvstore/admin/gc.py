@@ -1,0 +1,485 @@
+"""``kvstore gc``: bound a store by size or age while servers keep using it.
+
+**Last use.** Published block files are immutable, so their mtime is free to mean "last use":
+a writer creates the file (mtime = creation) and a reader sets it to now after a read when it
+is older than ``access_granularity_s`` (``StoreConfig``, default 60 s: at most one ``utime``
+per block per minute, whatever the read rate). atime is not used: relatime/noatime mounts do
+not keep it. gc orders by mtime.
+
+**Eviction order.** Blocks of a group form prefix trees (each header names its parent's hash).
+A block is a *leaf* if no present block of the same namespace and group names it as parent.
+gc evicts leaves only, least recently used first (one heap over the whole store, all
+namespaces and groups); evicting a leaf may make its parent a leaf, which then joins the heap
+with its own mtime. Lookups (``longest_prefix``) therefore keep finding prefix-closed chains.
+(A parent graph with a cycle - only possible with damaged headers - has no leaf; when nothing
+else is left to evict its blocks go in LRU order.)
+
+* ``--max-bytes N``: evict until the store's usage is at most N. Usage = every byte under the
+  root except trash and removed namespaces: published blocks of all namespaces and groups,
+  temporary files (writes in flight: they are about to be blocks), quarantine and foreign
+  files. Trash is not counted: it is already unpublished and is unlinked one grace period
+  later, so the disk can hold at most N plus what was evicted during the last grace period.
+  Only blocks are evicted; if the rest alone exceeds N, gc reports it and exits 1.
+* ``--max-age D``: evict leaves whose last use is older than now - D (repeatedly: a parent
+  that becomes a leaf and is old goes too). An old block with a recent descendant stays.
+* Both may be given: the union of what each would evict goes.
+* ``--dry-run``: report what would go; nothing is renamed, deleted or touched.
+
+**Deletion** follows :mod:`kvstore.admin.trash`: a victim is renamed into ``<ns>/trash/`` (a
+reader opening it afterwards misses; one that opened it before reads it whole), and trash
+older than ``--grace`` is unlinked at the start of every run. Just before renaming a victim gc
+stats it again and keeps it if a reader used it since the scan. Temporary files older than
+``--tmp-age`` (crashed writers) are deleted too.
+
+**--watch** repeats a pass (scan, empty expired trash, sweep orphan temps, evict to budget)
+every ``--interval`` seconds until SIGINT/SIGTERM (or ``--max-passes``). It keeps an in-memory
+index (path → size, mtime, inode, hash, parent) and reads the header only of files it has not
+seen before, so a pass costs a directory scan (one ``stat`` per file). Because it scans the
+file system it counts the blocks of every server writing to the store, on any machine.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from kvstore.admin.blockfile import read_header
+from kvstore.admin.du import gc_usage
+from kvstore.admin.progress import Progress
+from kvstore.admin.report import print_json, print_lines, table, warn
+from kvstore.admin.scan import Entry, StoreRoot, fanout_dirs, open_root, scan_store
+from kvstore.admin.sizes import format_duration, format_size, iso_time
+from kvstore.admin.trash import DEFAULT_GRACE_S, delete_held, expired, trash_block
+from kvstore.admin.verify import DEFAULT_TMP_AGE_S
+from kvstore.errors import CorruptBlockError, KvstoreError
+from kvstore.keys import hash_coords
+
+BlockKey = tuple[str, int, int, int]  # (namespace, group, hash_hi, hash_lo)
+
+
+@dataclass
+class Block:
+    """What gc knows about one published block file (its index entry)."""
+
+    path: str
+    namespace: str
+    group: int
+    hash_hi: int
+    hash_lo: int
+    size: int
+    mtime_ns: int  # last use
+    ino: int
+    block_hash: bytes | None  # from the header; None if the header is unreadable
+    parent_hash: bytes | None
+
+    @property
+    def key(self) -> BlockKey:
+        return (self.namespace, self.group, self.hash_hi, self.hash_lo)
+
+    def parent_key(self) -> BlockKey | None:
+        if self.parent_hash is None:
+            return None
+        hi, lo = hash_coords(self.parent_hash)
+        return (self.namespace, self.group, hi, lo)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "group": self.group,
+            "hash": self.block_hash.hex() if self.block_hash else None,
+            "hash_hi": self.hash_hi,
+            "hash_lo": self.hash_lo,
+            "bytes": self.size,
+            "last_access_ns": self.mtime_ns,
+            "last_access": iso_time(self.mtime_ns),
+        }
+
+
+class BlockIndex:
+    """path → :class:`Block`, refreshed from each scan; headers are read once per file."""
+
+    def __init__(self) -> None:
+        self._by_path: dict[str, Block] = {}
+        self.headers_read = 0  # cumulative, for reports and tests
+
+    def refresh(
+        self, entries: Sequence[Entry], on_entry: Callable[[], None] | None = None
+    ) -> list[Block]:
+        """The blocks of this scan; a header is read only for a path (or inode) not seen."""
+        fresh: dict[str, Block] = {}
+        for e in entries:
+            if on_entry is not None:
+                on_entry()
+            assert e.namespace is not None and e.group is not None
+            known = self._by_path.get(e.path)
+            if known is not None and known.ino == e.ino:
+                known.size, known.mtime_ns = e.size, e.mtime_ns
+                fresh[e.path] = known
+                continue
+            block_hash: bytes | None = None
+            parent: bytes | None = None
+            try:
+                header = read_header(e.path)
+                block_hash, parent = header.block_hash, header.parent_hash
+            except FileNotFoundError:
+                continue  # evicted or quarantined since the scan
+            except (CorruptBlockError, OSError):
+                pass  # unreadable header: still evictable (as a leaf); verify reports it
+            self.headers_read += 1
+            fresh[e.path] = Block(
+                e.path,
+                e.namespace,
+                e.group,
+                e.hash_hi,
+                e.hash_lo,
+                e.size,
+                e.mtime_ns,
+                e.ino,
+                block_hash,
+                parent,
+            )
+        self._by_path = fresh
+        return list(fresh.values())
+
+
+class Evicted(enum.Enum):
+    REMOVED = "removed"  # this gc renamed it into the trash
+    GONE = "gone"  # someone else removed it first
+
+
+# An eviction callback returns Evicted, or the block's newer mtime if it was used since the scan.
+EvictFn = Callable[[Block], "Evicted | int"]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What one gc pass enforces."""
+
+    max_bytes: int | None = None
+    max_age_s: float | None = None
+    grace_s: float = DEFAULT_GRACE_S
+    tmp_age_s: float = DEFAULT_TMP_AGE_S
+    dry_run: bool = False
+
+
+@dataclass
+class Selection:
+    """Outcome of :func:`evict`."""
+
+    evicted: list[Block] = field(default_factory=list)
+    gone: list[Block] = field(default_factory=list)
+    refreshed: int = 0  # victims kept because a reader used them since the scan
+    usage: int = 0  # after
+
+
+def evict(
+    blocks: Sequence[Block],
+    *,
+    usage: int,
+    max_bytes: int | None,
+    cutoff_ns: int | None,
+    remove: EvictFn,
+) -> Selection:
+    """Evict LRU leaves (per group) until ``usage <= max_bytes`` and no leaf is older than
+    ``cutoff_ns``; ``remove`` does (or, in a dry run, pretends) each eviction."""
+    present: dict[BlockKey, Block] = {b.key: b for b in blocks}
+    children: dict[BlockKey, int] = dict.fromkeys(present, 0)
+    parent_of: dict[BlockKey, BlockKey] = {}
+    for b in blocks:
+        pk = b.parent_key()
+        if pk is None or pk == b.key:
+            continue
+        parent = present.get(pk)
+        if parent is not None and parent.block_hash == b.parent_hash:
+            children[pk] += 1
+            parent_of[b.key] = pk
+    heap: list[tuple[int, str, BlockKey]] = [
+        (b.mtime_ns, b.path, b.key) for b in blocks if children[b.key] == 0
+    ]
+    heapq.heapify(heap)
+    out = Selection(usage=usage)
+    done: set[BlockKey] = set()
+
+    def wanted(mtime_ns: int) -> bool:
+        over = max_bytes is not None and out.usage > max_bytes
+        old = cutoff_ns is not None and mtime_ns < cutoff_ns
+        return over or old
+
+    while True:
+        if not heap:
+            # Only a cycle of damaged parent links can leave blocks without a leaf.
+            rest = [b for k, b in present.items() if k not in done]
+            if not rest or not (max_bytes is not None and out.usage > max_bytes):
+                break
+            heap = [(b.mtime_ns, b.path, b.key) for b in rest]
+            heapq.heapify(heap)
+            parent_of.clear()
+        mtime, _path, key = heap[0]
+        if not wanted(mtime):
+            break
+        heapq.heappop(heap)
+        block = present[key]
+        outcome = remove(block)
+        if isinstance(outcome, int):  # used since the scan: back into the heap, newer
+            block.mtime_ns = outcome
+            out.refreshed += 1
+            heapq.heappush(heap, (block.mtime_ns, block.path, key))
+            continue
+        done.add(key)
+        out.usage -= block.size
+        (out.evicted if outcome is Evicted.REMOVED else out.gone).append(block)
+        pk = parent_of.get(key)
+        if pk is not None and pk not in done:
+            children[pk] -= 1
+            if children[pk] == 0:
+                parent = present[pk]
+                heapq.heappush(heap, (parent.mtime_ns, parent.path, pk))
+    return out
+
+
+def _remove_for_real(store: StoreRoot) -> EvictFn:
+    paths = {ns.name: ns.path for ns in store.namespaces}
+
+    def remove(block: Block) -> Evicted | int:
+        try:
+            st = Path(block.path).stat()
+        except FileNotFoundError:
+            return Evicted.GONE
+        if st.st_ino != block.ino or st.st_mtime_ns > block.mtime_ns:
+            block.ino = st.st_ino
+            return max(st.st_mtime_ns, block.mtime_ns + 1)
+        moved = trash_block(
+            paths[block.namespace], block.group, block.hash_hi, block.hash_lo, block.path
+        )
+        return Evicted.REMOVED if moved else Evicted.GONE
+
+    return remove
+
+
+def _pretend(block: Block) -> Evicted | int:
+    return Evicted.REMOVED
+
+
+def gc_pass(
+    root: Path,
+    policy: Policy,
+    index: BlockIndex | None = None,
+    *,
+    progress: bool = False,
+    now_ns: int | None = None,
+) -> dict[str, Any]:
+    """One gc pass; its report (the JSON document of ``kvstore gc``, one per --watch pass)."""
+    started = time.perf_counter()
+    index = index or BlockIndex()
+    store = open_root(root)
+    with Progress(fanout_dirs(store.namespaces), "scanning", enabled=progress) as bar:
+        scan = scan_store(store, on_dir=bar.update)
+    now = time.time_ns() if now_ns is None else now_ns
+    usage_before = gc_usage(scan)
+    trash_bytes = sum(t.size for t in scan.trash) + sum(r.size for r in scan.removed)
+    # Phase 2 of earlier deletions, and crashed writers' files.
+    emptied = delete_held(
+        expired([*scan.trash, *scan.removed], policy.grace_s, now), dry_run=policy.dry_run
+    )
+    orphans = [t for t in scan.temps if t.mtime_ns <= now - int(policy.tmp_age_s * 1e9)]
+    swept = swept_bytes = 0
+    for temp in orphans:
+        if not policy.dry_run:
+            try:
+                Path(temp.path).unlink()
+            except FileNotFoundError:
+                continue
+        swept += 1
+        swept_bytes += temp.size
+    with Progress(len(scan.blocks), "headers", unit="block", enabled=progress) as bar:
+        blocks = index.refresh(scan.blocks, bar.update)
+    cutoff = now - int(policy.max_age_s * 1e9) if policy.max_age_s is not None else None
+    selection = evict(
+        blocks,
+        usage=usage_before - swept_bytes,
+        max_bytes=policy.max_bytes,
+        cutoff_ns=cutoff,
+        remove=_pretend if policy.dry_run else _remove_for_real(store),
+    )
+    evicted_bytes = sum(b.size for b in selection.evicted)
+    by_ns: dict[str, dict[str, int]] = {}
+    for b in selection.evicted:
+        row = by_ns.setdefault(b.namespace, {"blocks": 0, "bytes": 0})
+        row["blocks"] += 1
+        row["bytes"] += b.size
+    over = policy.max_bytes is not None and selection.usage > policy.max_bytes
+    return {
+        "root": str(store.root),
+        "dry_run": policy.dry_run,
+        "time": iso_time(now),
+        "policy": {
+            "max_bytes": policy.max_bytes,
+            "max_age_s": policy.max_age_s,
+            "grace_s": policy.grace_s,
+            "tmp_age_s": policy.tmp_age_s,
+        },
+        "before": {
+            "blocks": len(scan.blocks),
+            "block_bytes": sum(b.size for b in scan.blocks),
+            "temp_bytes": sum(t.size for t in scan.temps),
+            "quarantine_bytes": sum(q.size for q in scan.quarantine),
+            "foreign_bytes": sum(f.size for f in scan.foreign),
+            "trash_bytes": trash_bytes,
+            "usage": usage_before,
+        },
+        "trash_emptied": {
+            "entries": emptied.entries,
+            "files": emptied.files,
+            "bytes": emptied.bytes,
+        },
+        "temps_removed": {"files": swept, "bytes": swept_bytes},
+        "evicted": {
+            "blocks": len(selection.evicted),
+            "bytes": evicted_bytes,
+            "by_namespace": by_ns,
+            "kept_recently_used": selection.refreshed,
+            "already_gone": len(selection.gone),
+            "victims": [b.to_json() for b in selection.evicted],
+        },
+        "after": {
+            "blocks": len(blocks) - len(selection.evicted) - len(selection.gone),
+            "usage": selection.usage,
+        },
+        "over_budget": over,
+        "headers_read": index.headers_read,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def render(doc: dict[str, Any]) -> list[str]:
+    """The table of one gc run."""
+    pol, before, ev = doc["policy"], doc["before"], doc["evicted"]
+    budget = []
+    if pol["max_bytes"] is not None:
+        budget.append(f"max {format_size(pol['max_bytes'])}")
+    if pol["max_age_s"] is not None:
+        budget.append(f"max age {format_duration(pol['max_age_s'])}")
+    verb = "would evict" if doc["dry_run"] else "evicted"
+    dry = " (dry run: nothing changed)" if doc["dry_run"] else ""
+    kept = ev["kept_recently_used"]
+    lines = [
+        f"store {doc['root']}: {', '.join(budget)}{dry}",
+        f"  usage {format_size(before['usage'])}: {before['blocks']} blocks "
+        f"{format_size(before['block_bytes'])}, temp {format_size(before['temp_bytes'])}, "
+        f"quarantine {format_size(before['quarantine_bytes'])}, "
+        f"foreign {format_size(before['foreign_bytes'])} "
+        f"(trash {format_size(before['trash_bytes'])} not counted)",
+        f"  {verb} {ev['blocks']} blocks ({format_size(ev['bytes'])}), leaves first, least "
+        "recently used first" + (f"; kept {kept} used since the scan" if kept else ""),
+    ]
+    if ev["by_namespace"]:
+        rows = [
+            [ns, v["blocks"], format_size(v["bytes"])]
+            for ns, v in sorted(ev["by_namespace"].items())
+        ]
+        lines += table(["namespace", "blocks", "size"], rows, indent="    ")
+    te, tr = doc["trash_emptied"], doc["temps_removed"]
+    verb2 = "would unlink" if doc["dry_run"] else "unlinked"
+    lines.append(
+        f"  {verb2} {te['entries']} expired trash entries ({format_size(te['bytes'])}) and "
+        f"{tr['files']} orphan temporary files ({format_size(tr['bytes'])})"
+    )
+    state = "OVER BUDGET (only non-block bytes left)" if doc["over_budget"] else "within budget"
+    lines.append(f"  usage after: {format_size(doc['after']['usage'])}, {state}")
+    return lines
+
+
+def render_pass_line(doc: dict[str, Any], number: int) -> str:
+    """One line per --watch pass."""
+    ev, te = doc["evicted"], doc["trash_emptied"]
+    return (
+        f"{doc['time']} pass {number}: usage {format_size(doc['before']['usage'])} -> "
+        f"{format_size(doc['after']['usage'])}, evicted {ev['blocks']} "
+        f"({format_size(ev['bytes'])}), unlinked {te['entries']} trash, "
+        f"{doc['seconds'] * 1e3:.0f} ms" + (" OVER BUDGET" if doc["over_budget"] else "")
+    )
+
+
+@contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """Set ``stop`` on SIGINT/SIGTERM for the duration (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def watch(
+    root: Path,
+    policy: Policy,
+    *,
+    interval_s: float,
+    max_passes: int | None,
+    on_pass: Callable[[dict[str, Any], int], None],
+    stop: threading.Event | None = None,
+) -> int:
+    """Run passes until a signal (or ``stop``), or ``max_passes``; exit code 0."""
+    stop = stop or threading.Event()
+    index = BlockIndex()
+    passes = 0
+    with _stop_on_signals(stop):
+        while not stop.is_set():
+            try:
+                doc = gc_pass(root, policy, index)
+            except (OSError, KvstoreError) as exc:
+                if passes == 0:
+                    raise
+                warn(f"gc pass failed, retrying next interval: {exc}")
+            else:
+                passes += 1
+                on_pass(doc, passes)
+            if max_passes is not None and passes >= max_passes:
+                break
+            stop.wait(interval_s)
+    return 0
+
+
+def run(
+    root: Path,
+    policy: Policy,
+    *,
+    as_json: bool,
+    watch_interval_s: float | None = None,
+    max_passes: int | None = None,
+) -> int:
+    """``kvstore gc``: exit 0 within budget, 1 over budget (nothing left to evict)."""
+    if policy.max_bytes is None and policy.max_age_s is None:
+        raise ValueError("gc: expected --max-bytes or --max-age (or both), got neither")
+    if watch_interval_s is None:
+        doc = gc_pass(root, policy, progress=True)
+        if as_json:
+            print_json(doc)
+        else:
+            print_lines(render(doc))
+        return 1 if doc["over_budget"] else 0
+
+    def on_pass(doc: dict[str, Any], number: int) -> None:
+        if as_json:
+            print_json(doc, lines=True)
+        else:
+            print(render_pass_line(doc, number), flush=True)
+
+    return watch(root, policy, interval_s=watch_interval_s, max_passes=max_passes, on_pass=on_pass)

@@ -1,0 +1,307 @@
+"""``kvstore verify``: is the store intact?
+
+Checks, per namespace:
+
+* every block file (or a random ``--sample`` fraction of them): size, header (magic, version,
+  crc), hash coordinates in the header = the path's ``<hi>/<lo>`` (else **mis-keyed**: a shard
+  copied under another hash's name), namespace digest and group = where it lies (else
+  **misplaced**), geometry = the array's, the sharding index, every inner chunk's checksum and
+  zero padding (else **corrupt**); a short file is **truncated**, a long one **oversized**;
+* temporary files: older than ``--tmp-age`` (default 1 h) they are **orphan-temp** (a writer
+  that crashed); younger ones may be writes in flight and are only listed, never touched;
+* **foreign** entries: anything in a fan-out directory that is neither a block name nor a
+  temporary file, any unknown entry of a namespace, array or ``c/`` tree, and of the root;
+* the array documents (``g<k>/zarr.json``) against format v1 for the namespace's identity
+  (**metadata**), and namespaces whose ``zarr.json`` cannot be read (**bad-namespace**).
+
+The temp, foreign and metadata checks always cover the whole store; ``--sample`` only thins
+the block checks. Read-only unless ``--fix``: then bad blocks and foreign entries of a
+namespace move to ``<ns>/quarantine/`` and orphan temporary files are deleted; entries of the
+root and metadata problems are reported, never changed. Exit code 1 when anything was found,
+fixed or not (0: clean; young temporary files are not findings).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstore.admin.blockfile import BlockFault, check_block_file
+from kvstore.admin.progress import Progress
+from kvstore.admin.report import print_json, print_lines, table
+from kvstore.admin.scan import (
+    Entry,
+    NamespaceInfo,
+    fanout_dirs,
+    open_root,
+    scan_store,
+)
+from kvstore.admin.sizes import format_duration, format_size
+from kvstore.admin.trash import quarantine_file
+from kvstore.errors import StoreFormatError
+from kvstore.store import metadata
+
+DEFAULT_TMP_AGE_S = 3600.0
+ORPHAN_TEMP = "orphan-temp"
+FOREIGN = "foreign"
+METADATA = "metadata"
+BAD_NAMESPACE = "bad-namespace"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem found: its kind, where, why, and what ``--fix`` did about it."""
+
+    kind: str
+    path: str
+    namespace: str | None
+    group: int | None
+    detail: str
+    action: str | None = None  # None: read-only run; else "quarantined as …", "deleted", "left …"
+
+    def to_json(self, root: Path) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "path": _rel(self.path, root),
+            "namespace": self.namespace,
+            "group": self.group,
+            "detail": self.detail,
+            "action": self.action,
+        }
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    fix: bool = False
+    sample: float = 1.0  # fraction of blocks whose contents are checked, 0 < sample <= 1
+    tmp_age_s: float = DEFAULT_TMP_AGE_S
+    threads: int = 4
+    seed: int | None = None  # of the sample; None: a different sample each run
+    progress: bool = True
+
+
+def verify_store(root: Path, options: VerifyOptions) -> dict[str, Any]:
+    """Run every check (and the fixes); the JSON document of ``kvstore verify``."""
+    if not 0 < options.sample <= 1:
+        raise ValueError(f"--sample: expected a fraction in (0, 1], got {options.sample}")
+    store = open_root(root)
+    with Progress(fanout_dirs(store.namespaces), "scanning", enabled=options.progress) as bar:
+        scan = scan_store(store, on_dir=bar.update)
+    by_name = {ns.name: ns for ns in store.namespaces}
+    findings: list[Finding] = [
+        Finding(BAD_NAMESPACE, str(p.path), p.path.name, None, p.detail, _left(options))
+        for p in store.problems
+    ]
+    findings += _check_metadata(store.namespaces, options)
+    chosen = _sample(scan.blocks, options)
+    checked, vanished, block_findings = _check_blocks(chosen, by_name, options)
+    findings += block_findings
+    now = time.time_ns()
+    orphan_limit = now - int(options.tmp_age_s * 1e9)
+    in_flight = [t for t in scan.temps if t.mtime_ns > orphan_limit]
+    for temp in scan.temps:
+        if temp.mtime_ns <= orphan_limit:
+            age = (now - temp.mtime_ns) / 1e9
+            detail = (
+                f"temporary file {format_duration(age)} old, expected none older than "
+                f"{format_duration(options.tmp_age_s)} (a writer crashed)"
+            )
+            findings.append(_fix_temp(temp, detail, options))
+    for entry in scan.foreign:
+        findings.append(_fix_foreign(entry, by_name, options))
+    findings.sort(key=lambda f: (f.kind, f.path))
+    counts: dict[str, int] = {}
+    for f in findings:
+        counts[f.kind] = counts.get(f.kind, 0) + 1
+    return {
+        "root": str(store.root),
+        "fix": options.fix,
+        "sample": options.sample,
+        "blocks": {
+            "found": len(scan.blocks),
+            "checked": checked,
+            "checked_bytes": sum(b.size for b in chosen),
+            "vanished": vanished,
+        },
+        "in_flight_temps": [
+            {"path": _rel(t.path, store.root), "bytes": t.size, "age_s": (now - t.mtime_ns) / 1e9}
+            for t in in_flight
+        ],
+        "counts": counts,
+        "findings": [f.to_json(store.root) for f in findings],
+    }
+
+
+def _sample(blocks: Sequence[Entry], options: VerifyOptions) -> list[Entry]:
+    if options.sample >= 1:
+        return list(blocks)
+    rng = random.Random(options.seed)
+    k = min(len(blocks), math.ceil(options.sample * len(blocks)))
+    return rng.sample(list(blocks), k)
+
+
+def _check_blocks(
+    blocks: Sequence[Entry], namespaces: dict[str, NamespaceInfo], options: VerifyOptions
+) -> tuple[int, int, list[Finding]]:
+    """(blocks checked, blocks that vanished meanwhile, findings)."""
+
+    def check(block: Entry) -> BlockFault | FileNotFoundError | None:
+        ns = namespaces[block.namespace or ""]
+        assert block.group is not None
+        group = ns.groups[block.group]
+        try:
+            return check_block_file(
+                block.path, group.layout, ns.digest, group.index, block.hash_hi, block.hash_lo
+            )
+        except FileNotFoundError as exc:
+            return exc
+        except OSError as exc:
+            return BlockFault("unreadable", f"{type(exc).__name__}: {exc}")
+
+    findings: list[Finding] = []
+    checked = vanished = 0
+    total = sum(b.size for b in blocks)
+    with (
+        Progress(total, "verifying", unit="B", enabled=options.progress) as bar,
+        ThreadPoolExecutor(max(1, options.threads)) as pool,
+    ):
+        for block, outcome in zip(blocks, pool.map(check, blocks), strict=True):
+            bar.update(block.size)
+            if isinstance(outcome, FileNotFoundError):
+                vanished += 1  # evicted or quarantined while we looked: not a finding
+                continue
+            checked += 1
+            if outcome is None:
+                continue
+            action = None
+            if options.fix:
+                ns = namespaces[block.namespace or ""]
+                moved = quarantine_file(
+                    ns.path, f"g{block.group}-{block.hash_hi}-{block.hash_lo}", block.path
+                )
+                action = _quarantined(moved, ns)
+            findings.append(
+                Finding(
+                    outcome.kind, block.path, block.namespace, block.group, outcome.detail, action
+                )
+            )
+    return checked, vanished, findings
+
+
+def _check_metadata(namespaces: Sequence[NamespaceInfo], options: VerifyOptions) -> list[Finding]:
+    findings = []
+    for ns in namespaces:
+        for group in ns.groups:
+            expected = json.loads(metadata.array_document(ns.identity, group.index))
+            try:
+                got = metadata.read_document(group.path)
+            except StoreFormatError as exc:
+                detail = str(exc)
+            else:
+                if got == expected:
+                    continue
+                detail = (
+                    f"{group.path}/{metadata.ZARR_JSON}: expected the format v1 array document "
+                    f"of this identity, got {'none' if got is None else 'a different one'}"
+                )
+            findings.append(
+                Finding(
+                    METADATA,
+                    str(group.path / metadata.ZARR_JSON),
+                    ns.name,
+                    group.index,
+                    detail,
+                    _left(options),
+                )
+            )
+    return findings
+
+
+def _fix_temp(temp: Entry, detail: str, options: VerifyOptions) -> Finding:
+    action = None
+    if options.fix:
+        try:
+            Path(temp.path).unlink()
+            action = "deleted"
+        except FileNotFoundError:
+            action = "vanished before the fix"
+    return Finding(ORPHAN_TEMP, temp.path, temp.namespace, temp.group, detail, action)
+
+
+def _fix_foreign(
+    entry: Entry, namespaces: dict[str, NamespaceInfo], options: VerifyOptions
+) -> Finding:
+    what = "directory" if entry.is_dir else "file"
+    detail = f"unexpected {what} ({format_size(entry.size)}): not part of format v1"
+    action = None
+    if options.fix:
+        if entry.namespace is None:
+            action = "left in place (outside any namespace)"
+        else:
+            ns = namespaces[entry.namespace]
+            name = "foreign-" + os.path.relpath(entry.path, ns.path).replace(os.sep, "-")
+            moved = quarantine_file(ns.path, name, entry.path)
+            action = _quarantined(moved, ns)
+    return Finding(FOREIGN, entry.path, entry.namespace, entry.group, detail, action)
+
+
+def _quarantined(moved: str | None, ns: NamespaceInfo) -> str:
+    if moved is None:
+        return "vanished before the fix"
+    return f"quarantined as {os.path.relpath(moved, ns.path.parent)}"
+
+
+def _left(options: VerifyOptions) -> str | None:
+    return "left in place (fix by hand)" if options.fix else None
+
+
+def _rel(path: str, root: Path) -> str:
+    try:
+        return os.path.relpath(path, root)
+    except ValueError:
+        return path
+
+
+def render(doc: dict[str, Any]) -> list[str]:
+    b = doc["blocks"]
+    sample = "" if doc["sample"] >= 1 else f" (sample {doc['sample']:g})"
+    lines = [
+        f"store {doc['root']}: checked {b['checked']} of {b['found']} blocks{sample}, "
+        f"{format_size(b['checked_bytes'])}"
+        + (f"; {b['vanished']} vanished while checking" if b["vanished"] else "")
+    ]
+    if doc["in_flight_temps"]:
+        lines.append(
+            f"  {len(doc['in_flight_temps'])} temporary file(s) younger than --tmp-age "
+            "(writes in flight; left alone)"
+        )
+    findings = doc["findings"]
+    if not findings:
+        lines.append("  no findings")
+        return lines
+    summary = ", ".join(f"{n} {kind}" for kind, n in sorted(doc["counts"].items()))
+    lines.append(f"  {len(findings)} finding(s): {summary}")
+    rows = [
+        [f["kind"], f["path"], f["detail"]] + ([f["action"] or "-"] if doc["fix"] else [])
+        for f in findings
+    ]
+    headers = ["kind", "path", "detail"] + (["action"] if doc["fix"] else [])
+    return lines + table(headers, rows)
+
+
+def run(root: Path, options: VerifyOptions, *, as_json: bool) -> int:
+    """``kvstore verify``: exit 0 clean, 1 findings (fixed or not)."""
+    doc = verify_store(root, options)
+    if as_json:
+        print_json(doc)
+    else:
+        print_lines(render(doc))
+    return 1 if doc["findings"] else 0

@@ -1,0 +1,17 @@
+"""``kvstore-inspect``: look inside a store directory cold, read only (DESIGN.md §1, user 2).
+
+Works on a store copied from another machine, with neither vLLM nor a GPU. Nothing in this
+package writes to a store: no probe files, no directories, no quarantine (see
+:mod:`.source`). Modules, one job each:
+
+* :mod:`.source` - read-only store / namespace / group views, block file listings;
+* :mod:`.blockfile` - verify one shard file and read its chunks, reporting damage;
+* :mod:`.resolve` - namespace names, hash prefixes, head / layer ranges;
+* :mod:`.decode` - stored bits to numpy / torch arrays of the real dtype;
+* :mod:`.values`, :mod:`.stats` - decoded selections and their statistics;
+* :mod:`.rank` - a block as one rank of a parallel layout holds it (kvstore.layout);
+* :mod:`.overview`, :mod:`.tree`, :mod:`.block`, :mod:`.diff` - the views' documents;
+* :mod:`.pictures` - PNG heatmaps and prefix-forest pictures;
+* :mod:`.export` - .npy / .safetensors export;
+* :mod:`.render`, :mod:`.text` - JSON and text output; :mod:`.cli` - the command.
+"""

@@ -1,0 +1,89 @@
+"""The --json documents of every admin command: their keys are a contract (docs/admin.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.admin.util import cli, cli_json, write
+from tests.helpers import StoreFactory, block_hash, chain_hashes, make_small_identity
+
+
+@pytest.fixture
+def ns(root: Path, make_store: StoreFactory) -> str:
+    ident = make_small_identity()
+    chain = chain_hashes(3)
+    write(make_store().namespace(ident).group(0), chain, [None, *chain[:-1]])
+    return ident.namespace
+
+
+def test_json_shapes(root: Path, ns: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, doc = cli_json(capsys, "ls", root)
+    assert rc == 0 and set(doc) == {"root", "namespaces", "total", "problems"}
+    assert set(doc["namespaces"][0]) == {
+        "name", "model", "dtype", "tokens_per_block", "groups", "blocks", "bytes",
+        "oldest_ns", "newest_ns", "oldest", "newest",
+    }  # fmt: skip
+    rc, doc = cli_json(capsys, "ls", root, ns)
+    assert rc == 0 and set(doc) == {"root", "namespace", "blocks"}
+    assert set(doc["blocks"][0]) == {
+        "group", "hash_hi", "hash_lo", "hash", "parent", "tokens", "bytes",
+        "last_access_ns", "last_access", "path", "error",
+    }  # fmt: skip
+    rc, doc = cli_json(capsys, "du", root)
+    assert rc == 0 and set(doc) == {"root", "namespaces", "root_entries", "total"}
+    assert set(doc["namespaces"][0]) == {
+        "name", "blocks", "block_bytes", "groups", "temp", "quarantine", "trash", "foreign",
+        "bytes",
+    }  # fmt: skip
+    assert set(doc["total"]) == {
+        "blocks", "block_bytes", "temp", "quarantine", "trash", "foreign",
+        "removed_namespaces", "gc_usage", "bytes",
+    }  # fmt: skip
+    rc, doc = cli_json(capsys, "verify", root)
+    assert rc == 0 and set(doc) == {
+        "root", "fix", "sample", "blocks", "in_flight_temps", "counts", "findings",
+    }  # fmt: skip
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", "1G")
+    assert rc == 0 and set(doc) == {
+        "root", "dry_run", "time", "policy", "before", "trash_emptied", "temps_removed",
+        "evicted", "after", "over_budget", "headers_read", "seconds",
+    }  # fmt: skip
+    assert set(doc["evicted"]) == {
+        "blocks", "bytes", "by_namespace", "kept_recently_used", "already_gone", "victims",
+    }  # fmt: skip
+    rc, doc = cli_json(capsys, "rm", root, ns, "--yes", "--now")
+    assert rc == 0 and set(doc) == {
+        "root", "namespace", "files", "bytes", "deleted", "renamed_to", "expired_trash_deleted",
+    }  # fmt: skip
+
+
+def test_help_lists_admin_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli(capsys, "--help")
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "ls", "du", "verify", "gc", "rm"):
+        assert command in out
+
+
+def test_no_progress_bar_when_not_a_tty(
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write(make_store().namespace(make_small_identity()).group(0), [block_hash(1)])
+    for command in (["ls", root], ["du", root], ["verify", root], ["gc", root, "--max-age", "1d"]):
+        rc, _, err = cli(capsys, *command)
+        assert rc == 0 and err == ""
+
+
+def test_progress_bar_on_a_terminal(
+    root: Path,
+    make_store: StoreFactory,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    write(make_store().namespace(make_small_identity()).group(0), [block_hash(1)])
+    monkeypatch.setattr("kvstore.admin.progress._stderr_is_tty", lambda: True)
+    rc, out, err = cli(capsys, "verify", root, "--json")
+    assert rc == 0 and "scanning" in err and out.startswith("{")  # bars on stderr only

@@ -1,0 +1,324 @@
+"""``kvstore gc``: LRU leaves first, two-phase deletion, dry run, budget accounting, --watch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.admin import gc
+from kvstore.admin.gc import Block, Evicted, Policy, evict
+from kvstore.store.types import BlockRead, ReadStatus
+from tests.admin.util import (
+    NS_PER_S,
+    age,
+    cli,
+    cli_json,
+    expected_bytes,
+    set_mtime,
+    snapshot,
+    write,
+)
+from tests.helpers import StoreFactory, block_hash, chain_hashes, make_small_identity
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def present(paths: list[str]) -> list[bool]:
+    return [os.path.exists(p) for p in paths]
+
+
+@pytest.fixture
+def chain_plus_one(root: Path, make_store: StoreFactory) -> tuple[list[str], int]:
+    """A <- B <- C (a prefix chain) and D (alone); LRU order A, B, D, C. (paths, file size)."""
+    group = make_store().namespace(make_small_identity()).group(0)
+    a, b, c = chain_hashes(3)
+    d = block_hash(99)
+    paths = write(group, [a, b, c, d], [None, a, b, None])
+    now = time.time_ns()
+    for path, seconds_ago in zip(paths, [400, 300, 100, 200], strict=True):
+        set_mtime(path, now - seconds_ago * NS_PER_S)
+    return paths, group.layout.file_nbytes
+
+
+def test_leaves_go_first(
+    root: Path, chain_plus_one: tuple[list[str], int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Budget for 2 blocks: LRU alone would evict A and B (the oldest) and break the chain at
+    its root; leaves-first evicts D (the oldest leaf), then C, and keeps the prefix A <- B."""
+    paths, size = chain_plus_one
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 2 * size, "--dry-run")
+    assert rc == 0
+    c, d = chain_hashes(3)[2], block_hash(99)
+    assert [v["hash"] for v in doc["evicted"]["victims"]] == [d.hex(), c.hex()]
+    assert present(paths) == [True] * 4
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 2 * size)
+    assert rc == 0
+    assert present(paths) == [True, True, False, False]
+    assert doc["after"]["usage"] == 2 * size and not doc["over_budget"]
+    # Budget for 1: B is a leaf now and goes; the root of the chain stays.
+    assert cli_json(capsys, "gc", root, "--max-bytes", size)[0] == 0
+    assert present(paths) == [True, False, False, False]
+
+
+def test_max_age_leaves_first(
+    root: Path, chain_plus_one: tuple[list[str], int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths, _ = chain_plus_one
+    # Older than 150 s: A, B, D. D is a leaf and goes; A and B have the young C below them.
+    rc, doc = cli_json(capsys, "gc", root, "--max-age", "150s")
+    assert rc == 0 and doc["evicted"]["blocks"] == 1
+    assert present(paths) == [True, True, True, False]
+    # Older than 50 s: everything, leaves first: C, then B, then A.
+    rc, doc = cli_json(capsys, "gc", root, "--max-age", "50")
+    a, b, c = chain_hashes(3)
+    assert [v["hash"] for v in doc["evicted"]["victims"]] == [c.hex(), b.hex(), a.hex()]
+    assert present(paths) == [False] * 4
+
+
+def test_one_lru_over_all_namespaces(
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = make_store()
+    g1 = store.namespace(make_small_identity()).group(0)
+    g2 = store.namespace(make_small_identity(revision="b")).group(0)
+    p1 = write(g1, [block_hash(i, "x") for i in range(3)])
+    p2 = write(g2, [block_hash(i, "y") for i in range(3)])
+    age([p1[0], p2[0], p1[1], p2[1], p1[2], p2[2]])
+    size = g1.layout.file_nbytes
+    assert cli_json(capsys, "gc", root, "--max-bytes", 3 * size)[0] == 0
+    assert present(p1 + p2) == [False, False, True, False, True, True]
+
+
+def test_dry_run_changes_nothing(
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = make_store()
+    ident = make_small_identity()
+    group = store.namespace(ident).group(0)
+    paths = write(group, [block_hash(i) for i in range(6)])
+    age(paths)
+    orphan = paths[0] + ".tmp-00000000000000ff"
+    Path(orphan).write_bytes(b"o" * 100)
+    set_mtime(orphan, time.time_ns() - 7200 * NS_PER_S)
+    trash = store.root / ident.namespace / "trash"
+    trash.mkdir()
+    (trash / f"g0-1-2-{time.time_ns() - 3600 * NS_PER_S}").write_bytes(b"t" * 50)
+    before = snapshot(root)
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", "1", "--max-age", "1s", "--dry-run")
+    assert rc == 0  # all blocks would go and the orphan temp would be swept: 0 bytes left
+    assert snapshot(root) == before
+    assert doc["dry_run"] is True
+    assert doc["evicted"]["blocks"] == 6
+    assert doc["trash_emptied"] == {"entries": 1, "files": 1, "bytes": 50}
+    assert doc["temps_removed"] == {"files": 1, "bytes": 100}
+    rc, out, _ = cli(capsys, "gc", root, "--max-bytes", "10G", "--dry-run")
+    assert rc == 0 and "dry run" in out and "would evict 0 blocks" in out
+    assert snapshot(root) == before
+
+
+def test_two_phase_deletion(
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Evicted blocks are renamed into trash (a reader that opened before reads them whole,
+    a later open misses) and unlinked only once older than the grace period."""
+    store = make_store()
+    ident = make_small_identity()
+    group = store.namespace(ident).group(0)
+    hashes = [block_hash(i) for i in range(3)]
+    paths = write(group, hashes)
+    age(paths)
+    fd = os.open(paths[0], os.O_RDONLY)  # a reader in the middle of its read
+    try:
+        rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 2 * group.layout.file_nbytes)
+        assert rc == 0 and doc["evicted"]["blocks"] == 1
+        assert not os.path.exists(paths[0])
+        trash = root / ident.namespace / "trash"
+        (entry,) = trash.iterdir()
+        assert entry.name.startswith("g0-")
+        data = os.pread(fd, group.layout.file_nbytes + 1, 0)
+        assert data == entry.read_bytes() and len(data) == group.layout.file_nbytes
+    finally:
+        os.close(fd)
+    out = np.zeros(group.layout.block_nbytes, dtype=np.uint8)
+    assert group.read_blocks([BlockRead(hashes[0], out)])[0].status is ReadStatus.MISS
+    # Still inside the grace period: the next run keeps it.
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", "1G")
+    assert doc["trash_emptied"]["entries"] == 0 and entry.exists()
+    assert doc["before"]["trash_bytes"] == group.layout.file_nbytes
+    assert doc["before"]["usage"] == 2 * group.layout.file_nbytes  # trash is not counted
+    # A run after the grace period unlinks it.
+    later = time.time_ns() + 61 * NS_PER_S
+    doc = gc.gc_pass(root, Policy(max_bytes=1 << 30), now_ns=later)
+    assert doc["trash_emptied"]["entries"] == 1 and not entry.exists()
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", "1G", "--grace", "0")
+    assert rc == 0 and doc["trash_emptied"]["entries"] == 0
+
+
+def test_readers_record_last_use(
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A read refreshes the block's mtime (once per access_granularity_s): gc keeps it."""
+    group = make_store(access_granularity_s=1).namespace(make_small_identity()).group(0)
+    hashes = [block_hash(i) for i in range(4)]
+    paths = write(group, hashes)
+    age(paths)  # hashes[0] is the oldest
+    out = np.zeros(group.layout.block_nbytes, dtype=np.uint8)
+    assert group.read_blocks([BlockRead(hashes[0], out)])[0].ok
+    assert np.array_equal(out, expected_bytes(group, hashes[0]))
+    assert cli_json(capsys, "gc", root, "--max-bytes", 2 * group.layout.file_nbytes)[0] == 0
+    assert present(paths) == [True, False, False, True]
+
+
+def test_block_used_since_the_scan_is_kept() -> None:
+    """gc re-checks a victim's mtime before renaming it; a fresher one goes back in the heap."""
+    blocks = [
+        Block(f"/x/{i}", "ns", 0, 1, i, 100, 1000 + i, i, bytes([1, i]) * 8, None) for i in range(3)
+    ]
+    calls: list[str] = []
+
+    def remove(block: Block) -> Evicted | int:
+        calls.append(block.path)
+        if block.path == "/x/0" and calls.count("/x/0") == 1:
+            return 5000  # a reader touched it after the scan
+        return Evicted.REMOVED
+
+    out = evict(blocks, usage=300, max_bytes=200, cutoff_ns=None, remove=remove)
+    assert [b.path for b in out.evicted] == ["/x/1"]
+    assert out.refreshed == 1 and out.usage == 200
+    assert calls == ["/x/0", "/x/1"]
+
+
+def test_parent_links_need_the_full_hash() -> None:
+    """A block only protects the parent its header names (full hash), and cycles still drain."""
+    a = Block("/a", "ns", 0, 1, 1, 10, 1, 1, b"A" * 16, b"B" * 16)
+    b = Block("/b", "ns", 0, 1, 2, 10, 2, 2, b"B" * 16, b"A" * 16)  # a damaged cycle
+    out = evict([a, b], usage=20, max_bytes=0, cutoff_ns=None, remove=lambda _: Evicted.REMOVED)
+    assert [x.path for x in out.evicted] == ["/a", "/b"] and out.usage == 0
+
+
+def test_temps_and_quarantine_count_and_over_budget(
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = make_store()
+    ident = make_small_identity()
+    group = store.namespace(ident).group(0)
+    paths = write(group, [block_hash(i) for i in range(3)])
+    size = group.layout.file_nbytes
+    young = paths[0] + ".tmp-0000000000000001"
+    Path(young).write_bytes(b"y" * size)  # a write in flight: counted, kept
+    old = paths[1] + ".tmp-0000000000000002"
+    Path(old).write_bytes(b"o" * size)
+    set_mtime(old, time.time_ns() - 7200 * NS_PER_S)  # a crashed writer's: swept
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 3 * size)
+    assert rc == 0
+    assert doc["before"]["usage"] == 5 * size
+    assert doc["temps_removed"] == {"files": 1, "bytes": size}
+    assert doc["evicted"]["blocks"] == 1 and doc["after"]["usage"] == 3 * size
+    assert os.path.exists(young) and not os.path.exists(old)
+    quarantine = root / ident.namespace / "quarantine"
+    quarantine.mkdir()
+    (quarantine / "g0-1-1-1").write_bytes(b"q" * 4 * size)
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 3 * size)
+    assert rc == 1 and doc["over_budget"] is True  # only non-block bytes left
+    assert doc["after"]["blocks"] == 0
+    rc, out, _ = cli(capsys, "gc", root, "--max-bytes", 3 * size)
+    assert rc == 1 and "OVER BUDGET" in out
+
+
+def test_watch_reads_each_header_once(root: Path, make_store: StoreFactory) -> None:
+    group = make_store().namespace(make_small_identity()).group(0)
+    write(group, [block_hash(i) for i in range(5)])
+    docs: list[dict[str, object]] = []
+
+    def on_pass(doc: dict[str, object], number: int) -> None:
+        docs.append(doc)
+        if number == 2:
+            write(group, [block_hash(100)])
+
+    rc = gc.watch(root, Policy(max_bytes=1 << 30), interval_s=0.0, max_passes=4, on_pass=on_pass)
+    assert rc == 0
+    assert [d["headers_read"] for d in docs] == [5, 5, 6, 6]
+    assert [d["before"]["blocks"] for d in docs] == [5, 5, 6, 6]  # type: ignore[index]
+
+
+def test_watch_cli_json_lines(
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    group = make_store().namespace(make_small_identity()).group(0)
+    age(write(group, [block_hash(i) for i in range(4)]))
+    size = group.layout.file_nbytes
+    rc, out, _ = cli(
+        capsys,
+        "gc",
+        root,
+        "--max-bytes",
+        2 * size,
+        "--watch",
+        "--interval",
+        "0",
+        "--max-passes",
+        "3",
+        "--json",
+    )
+    assert rc == 0
+    passes = [json.loads(line) for line in out.splitlines()]
+    assert [p["evicted"]["blocks"] for p in passes] == [2, 0, 0]
+    rc, out, _ = cli(capsys, "gc", root, "--max-bytes", size, "--watch", "--max-passes", "1")
+    assert rc == 0 and "pass 1:" in out and "evicted 1" in out
+
+
+def test_watch_stops_on_sigterm(root: Path, make_store: StoreFactory) -> None:
+    write(make_store().namespace(make_small_identity()).group(0), [block_hash(1)])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "gc",
+            str(root),
+            "--max-bytes",
+            "1G",
+            "--watch",
+            "--interval",
+            "30",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())  # the first pass is done: now sleeping
+        assert first["before"]["blocks"] == 1
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - started < 5  # did not sit out the 30 s interval
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_gc_argument_errors(
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_store()
+    rc, _, err = cli(capsys, "gc", root)
+    assert rc == 2 and "expected --max-bytes or --max-age" in err
+    with pytest.raises(SystemExit) as exc:
+        cli(capsys, "gc", root, "--max-bytes", "10X")
+    assert exc.value.code == 2
+    assert "expected a size like 10G" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli(capsys, "gc", root, "--max-age", "soon")

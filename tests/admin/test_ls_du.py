@@ -1,0 +1,166 @@
+"""``kvstore ls`` and ``kvstore du``: numbers equal sums taken straight from the files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvstore.admin.scan import open_root, scan_store
+from kvstore.identity import Identity
+from tests.admin.util import age, cli, cli_json, file_sums, snapshot, write
+from tests.helpers import (
+    StoreFactory,
+    block_hash,
+    chain_hashes,
+    make_mla_identity,
+    make_small_identity,
+    make_two_group_identity,
+)
+
+
+@pytest.fixture
+def populated(root: Path, make_store: StoreFactory) -> dict[str, Identity]:
+    """Three namespaces (dense, two-group, MLA) with blocks, a temp file and quarantine."""
+    store = make_store()
+    small, two, mla = make_small_identity(), make_two_group_identity(), make_mla_identity()
+    chain = chain_hashes(5)
+    paths = write(store.namespace(small).group(0), chain, [None, *chain[:-1]])
+    age(paths)
+    ns_two = store.namespace(two)
+    write(ns_two.group(0), [block_hash(i) for i in range(3)])
+    write(ns_two.group(1), [block_hash(i) for i in range(4)])
+    mla_group = store.namespace(mla).group(0)
+    mla_paths = write(mla_group, [block_hash(i, "mla") for i in range(2)])
+    Path(mla_paths[0] + ".tmp-0123456789abcdef").write_bytes(b"x" * 1000)  # a write in flight
+    quarantine = store.root / mla.namespace / "quarantine"
+    quarantine.mkdir()
+    (quarantine / "g0-1-2-3").write_bytes(b"q" * 777)
+    return {"small": small, "two": two, "mla": mla}
+
+
+def test_ls_namespaces_json(
+    root: Path, populated: dict[str, Identity], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, doc = cli_json(capsys, "ls", root)
+    assert rc == 0
+    rows = {n["name"]: n for n in doc["namespaces"]}
+    assert set(rows) == {i.namespace for i in populated.values()}
+    small = rows[populated["small"].namespace]
+    assert small["model"] == "test/tiny-llama"
+    assert small["dtype"] == "bfloat16"
+    assert small["groups"] == 1
+    assert small["blocks"] == 5
+    assert rows[populated["two"].namespace]["groups"] == 2
+    assert rows[populated["two"].namespace]["blocks"] == 7
+    for ident in populated.values():
+        ns_dir = root / ident.namespace
+        sums = file_sums(ns_dir)
+        row = rows[ident.namespace]
+        assert row["bytes"] == sums["blocks"]
+        assert row["blocks"] == sums["block_count"]
+        mtimes = [
+            os.stat(os.path.join(d, f)).st_mtime_ns
+            for d, _, fs in os.walk(ns_dir)
+            for f in fs
+            if f.isdigit() and f"{os.sep}c{os.sep}" in d + os.sep
+        ]
+        assert row["oldest_ns"] == min(mtimes)
+        assert row["newest_ns"] == max(mtimes)
+    assert doc["total"]["bytes"] == file_sums(root)["blocks"]
+    assert doc["total"]["blocks"] == 5 + 7 + 2
+
+
+def test_ls_namespace_blocks(
+    root: Path, populated: dict[str, Identity], capsys: pytest.CaptureFixture[str]
+) -> None:
+    ident = populated["small"]
+    rc, doc = cli_json(capsys, "ls", root, ident.namespace)
+    assert rc == 0
+    chain = chain_hashes(5)
+    blocks = doc["blocks"]
+    # Most recently used first: the chain was aged oldest-first.
+    assert [b["hash"] for b in blocks] == [h.hex() for h in reversed(chain)]
+    assert [b["parent"] for b in blocks] == [h.hex() for h in reversed(chain[:-1])] + [None]
+    assert all(b["tokens"] == 16 and b["group"] == 0 and b["error"] is None for b in blocks)
+    for b in blocks:
+        st = os.stat(root / b["path"])
+        assert (b["bytes"], b["last_access_ns"]) == (st.st_size, st.st_mtime_ns)
+    assert doc["namespace"]["blocks"] == 5
+    rc, out, _ = cli(capsys, "ls", root, ident.namespace)
+    assert rc == 0
+    assert chain[0].hex()[:16] in out and "last access" in out
+
+
+def test_du_matches_files(
+    root: Path, populated: dict[str, Identity], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, doc = cli_json(capsys, "du", root)
+    assert rc == 0
+    rows = {n["name"]: n for n in doc["namespaces"]}
+    for ident in populated.values():
+        sums = file_sums(root / ident.namespace)
+        row = rows[ident.namespace]
+        assert row["block_bytes"] == sums["blocks"]
+        assert row["temp"]["bytes"] == sums["temp"]
+        assert row["quarantine"]["bytes"] == sums["quarantine"]
+        assert row["trash"]["bytes"] == sums["trash"] == 0
+        assert sum(g["bytes"] for g in row["groups"]) == sums["blocks"]
+        for g in row["groups"]:
+            assert g["bytes"] == file_sums(root / ident.namespace / f"g{g['group']}")["blocks"]
+    mla = rows[populated["mla"].namespace]
+    assert mla["temp"] == {"files": 1, "bytes": 1000}
+    assert mla["quarantine"] == {"files": 1, "bytes": 777}
+    total = file_sums(root)
+    assert doc["total"]["block_bytes"] == total["blocks"]
+    assert doc["total"]["gc_usage"] == total["blocks"] + 1000 + 777
+    rc, out, _ = cli(capsys, "du", root)
+    assert rc == 0 and "counted by gc --max-bytes" in out
+
+
+def test_listing_is_read_only(
+    root: Path, populated: dict[str, Identity], capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = snapshot(root)
+    for argv in (["ls", root], ["ls", root, populated["two"].namespace], ["du", root]):
+        assert cli(capsys, *argv)[0] == 0
+        assert cli_json(capsys, *argv)[0] == 0
+    assert snapshot(root) == before
+
+
+def test_empty_store(
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_store()
+    rc, doc = cli_json(capsys, "ls", root)
+    assert (rc, doc["namespaces"], doc["total"]) == (0, [], {"blocks": 0, "bytes": 0})
+    assert cli(capsys, "ls", root)[1].strip().endswith("no namespaces")
+
+
+def test_errors_exit_2(
+    root: Path, tmp_path: Path, populated: dict[str, Identity], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, _, err = cli(capsys, "ls", tmp_path / "nowhere")
+    assert rc == 2 and "expected a kvstore store directory, got nothing there" in err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "file").write_text("x")
+    rc, _, err = cli(capsys, "du", other)
+    assert rc == 2 and "expected a kvstore store" in err
+    rc, _, err = cli(capsys, "ls", root, "no-such-namespace")
+    assert rc == 2 and "expected one of the store's" in err and "no-such-namespace" in err
+    assert err.count("\n") == 1  # one line
+
+
+def test_scan_sorts_every_file(root: Path, populated: dict[str, Identity]) -> None:
+    """Every file below the root is exactly one of block, temp, foreign, held, metadata."""
+    scan = scan_store(open_root(root))
+    seen = {e.path for e in [*scan.blocks, *scan.temps, *scan.foreign]}
+    seen |= {h.path for h in [*scan.quarantine, *scan.trash]}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if name == "zarr.json":
+                continue
+            assert path in seen, path
