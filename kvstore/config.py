@@ -56,6 +56,10 @@ class StoreConfig:
     # Readers record a block's last use as its file mtime, rewritten when older than this many
     # seconds (so at most one utime per block per interval); eviction orders by it. 0: never.
     access_granularity_s: int = 60
+    # KV pages encode prompts: files are created owner-only (0600, directories 0700) unless
+    # servers of one group share the store, then group read/write (0660/0770; the servers'
+    # umask must not mask group bits, e.g. umask 007).
+    group_access: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))  # accept str from callers
@@ -66,13 +70,27 @@ class StoreConfig:
             raise ConfigError(f"io_threads: expected an int, got {self.io_threads!r}")
         if not 1 <= self.io_threads <= 256:
             raise ConfigError(f"io_threads: expected 1..256, got {self.io_threads}")
-        if not isinstance(self.access_granularity_s, int) or self.access_granularity_s < 0:
+        if (
+            not isinstance(self.access_granularity_s, int)
+            or isinstance(self.access_granularity_s, bool)
+            or self.access_granularity_s < 0
+        ):
             raise ConfigError(
                 f"access_granularity_s: expected an int >= 0, got {self.access_granularity_s!r}"
             )
-        for name in ("verify_reads", "quarantine"):
+        for name in ("verify_reads", "quarantine", "group_access"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+
+    @property
+    def file_mode(self) -> int:
+        """Permission bits of created files."""
+        return 0o660 if self.group_access else 0o600
+
+    @property
+    def dir_mode(self) -> int:
+        """Permission bits of created directories."""
+        return 0o770 if self.group_access else 0o700
 
     @property
     def durable(self) -> bool:

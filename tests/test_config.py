@@ -14,6 +14,7 @@ FIELDS = [
     "checksum",
     "direct_io",
     "durability",
+    "group_access",
     "io_threads",
     "quarantine",
     "root",
@@ -32,6 +33,12 @@ def test_defaults() -> None:
     assert config.verify_reads is True
     assert config.quarantine is True
     assert config.access_granularity_s == 60
+    assert config.group_access is False
+    assert (config.file_mode, config.dir_mode) == (0o600, 0o700)
+    assert (StoreConfig(group_access=True).file_mode, StoreConfig(group_access=True).dir_mode) == (
+        0o660,
+        0o770,
+    )
     assert sorted(StoreConfig.field_names()) == FIELDS
 
 
@@ -182,3 +189,8 @@ def test_from_env_unknown_variable() -> None:
 def test_from_env_bad_value() -> None:
     with pytest.raises(ConfigError, match="io_threads: expected an int, got 'many'"):
         StoreConfig.from_env(environ={"KVSTORE_IO_THREADS": "many"})
+
+
+def test_bool_is_not_an_int_for_access_granularity() -> None:
+    with pytest.raises(ConfigError, match="access_granularity_s"):
+        StoreConfig(access_granularity_s=True)

@@ -21,8 +21,9 @@ O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 class FileIO:
     """File operations on absolute paths and raw descriptors. Subclass to record or inject."""
 
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        return os.open(path, flags | os.O_CLOEXEC, mode)
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        # O_NOFOLLOW: a symlink planted inside the store is never followed out of it.
+        return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -69,8 +70,23 @@ class FileIO:
             return False
         return True
 
-    def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
+    def makedirs(self, path: str, mode: int = 0o700) -> None:
+        """Create ``path`` and missing parents, each with ``mode`` (os.makedirs gives parents
+        the umask's default, which would leave intermediate directories world-readable)."""
+        missing = []
+        current = os.path.abspath(path)
+        while not os.path.isdir(current):
+            missing.append(current)
+            parent = os.path.dirname(current)
+            if parent == current:
+                break
+            current = parent
+        for directory in reversed(missing):
+            try:
+                os.mkdir(directory, mode)
+            except FileExistsError:
+                if not os.path.isdir(directory):
+                    raise
 
     def drop_cache(self, fd: int) -> None:
         """Ask the kernel to drop this file's clean cached pages (benchmarks' cold reads)."""

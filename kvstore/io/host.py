@@ -92,10 +92,16 @@ class HostEngine:
 
     name = "host"
 
-    def __init__(self, config: StoreConfig, fio: FileIO = DEFAULT_FILEIO) -> None:
+    def __init__(
+        self, config: StoreConfig, fio: FileIO = DEFAULT_FILEIO, probe: bool = True
+    ) -> None:
         self.config = config
         self.fio = fio
-        self.direct = probe_direct_io(config.root, config.direct_io, fio)
+        self.direct = (
+            probe_direct_io(config.root, config.direct_io, fio)
+            if probe
+            else DirectIOProbe(False, "not probed (read-only)")
+        )
         self._threads = config.io_threads
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
         self._staging = ThreadStaging()
@@ -135,7 +141,7 @@ class HostEngine:
             self._write_new_direct(path, segments, file_nbytes)
             return
         flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else 0)
-        fd = self.fio.open(path, flags)
+        fd = self.fio.open(path, flags, self.config.file_mode)
         try:
             for offset, buffers in _coalesce(segments):
                 write_fully(self.fio, fd, buffers, offset)
@@ -187,7 +193,9 @@ class HostEngine:
         if stage_end != stage_start:
             staging[stage_end:padded] = 0  # deterministic bytes past the end (truncated away)
             iovecs.append(staging[stage_start:padded].data)
-        fd = self.fio.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT)
+        fd = self.fio.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, self.config.file_mode
+        )
         try:
             write_fully(self.fio, fd, iovecs, 0)
             if padded != file_nbytes:

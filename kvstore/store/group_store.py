@@ -89,6 +89,7 @@ class GroupStore:
         checksum: str,
         verify_reads: bool,
         quarantine_dir: Path | None,
+        read_only: bool = False,
     ) -> None:
         self.namespace = namespace
         self.namespace_digest = namespace_digest
@@ -102,6 +103,7 @@ class GroupStore:
         self._checksum_algo = checksum_id(checksum)
         self._verify = verify_reads
         self._quarantine_dir = quarantine_dir
+        self.read_only = read_only
         self._fio = engine.fio
         self._array_prefix = str(array_path) + os.sep
         self._access_granularity_ns = engine.config.access_granularity_s * 1_000_000_000
@@ -148,6 +150,7 @@ class GroupStore:
 
     def write_blocks(self, writes: Sequence[BlockWrite]) -> list[WriteResult]:
         """Write and publish whole blocks; blocks already present are skipped (EXISTS)."""
+        self._check_writable()
         results = self.engine.map(self._write_one, writes)
         return self._finish_writes(results, [w.block_hash for w in writes])
 
@@ -218,7 +221,7 @@ class GroupStore:
                     f"namespace {self.namespace} was removed from the store (no {self.array_path}"
                     "/zarr.json); reopen the store to recreate it"
                 ) from None
-            self._fio.makedirs(os.path.dirname(path))
+            self._fio.makedirs(os.path.dirname(path), self.engine.config.dir_mode)
             self.engine.write_file(path, segments, self.layout.file_nbytes, exclusive=exclusive)
 
     def _finish_writes(
@@ -277,6 +280,7 @@ class GroupStore:
         self, hashes: Sequence[bytes], parents: Sequence[bytes | None] | None = None
     ) -> list[PendingBlock]:
         """Descriptors of new pending blocks (no I/O); hand each to every writer of the block."""
+        self._check_writable()
         parent_list = parents if parents is not None else [None] * len(hashes)
         now = time.time_ns()
         return [
@@ -447,6 +451,10 @@ class GroupStore:
         for pending in pendings:
             self._remove_quietly(self.temp_path(pending))
 
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise KvstoreError(f"{self.namespace}/g{self.index}: store opened read-only")
+
     def _check_pending(self, pending: PendingBlock) -> None:
         if pending.namespace != self.namespace or pending.group != self.index:
             raise KvstoreError(
@@ -493,7 +501,9 @@ class GroupStore:
         segments: list[Segment] = [(0, memoryview(header)), *self._chunk_segments(chunks, out)]
         segments.sort(key=lambda s: s[0])
         touch_before = (
-            time.time_ns() - self._access_granularity_ns if self._access_granularity_ns else 0
+            time.time_ns() - self._access_granularity_ns
+            if self._access_granularity_ns and not self.read_only
+            else 0
         )
         self.engine.read_file(self.path_of(block_hash), segments, layout.file_nbytes, touch_before)
         decoded = fmt.decode_header(header)
@@ -558,6 +568,8 @@ class GroupStore:
 
     def _quarantine(self, block_hash: bytes) -> str:
         path = self.path_of(block_hash)
+        if self.read_only:
+            return "left in place (store opened read-only)"
         if self._quarantine_dir is None:
             self._remove_quietly(path)
             return "removed"
@@ -565,7 +577,7 @@ class GroupStore:
         name = f"g{self.index}-{hi}-{lo}-{time.time_ns()}"
         target = self._quarantine_dir / name
         try:
-            self._fio.makedirs(str(self._quarantine_dir))
+            self._fio.makedirs(str(self._quarantine_dir), self.engine.config.dir_mode)
             self._fio.rename(path, str(target))
         except FileNotFoundError:
             return "already gone"
@@ -588,6 +600,7 @@ class GroupStore:
 
     def delete_blocks(self, hashes: Sequence[bytes]) -> int:
         """Remove published blocks; returns how many existed."""
+        self._check_writable()
         removed = 0
         for h in hashes:
             try:

@@ -104,12 +104,19 @@ def _build(create: Any) -> bytes:
     return raw
 
 
-def write_document(fio: FileIO, directory: Path, content: bytes, durable: bool) -> None:
+def write_document(
+    fio: FileIO,
+    directory: Path,
+    content: bytes,
+    durable: bool,
+    file_mode: int = 0o600,
+    dir_mode: int = 0o700,
+) -> None:
     """Atomically write ``directory/zarr.json`` (created with its parents if needed)."""
-    fio.makedirs(str(directory))
+    fio.makedirs(str(directory), dir_mode)
     final = directory / ZARR_JSON
     tmp = directory / f".{ZARR_JSON}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-    fd = fio.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    fd = fio.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL, file_mode)
     try:
         try:
             write_fully(fio, fd, [content], 0)  # a short pwritev must not truncate the document

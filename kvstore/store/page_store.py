@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -30,6 +31,8 @@ from kvstore.store.group_store import GroupStore
 from kvstore.store.types import StoreStats
 
 QUARANTINE = "quarantine"
+# What Identity.namespace produces; anything else (.., /, a symlink trick) is refused.
+NAMESPACE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*-[0-9a-f]{12}")
 
 
 class KVStore:
@@ -41,12 +44,15 @@ class KVStore:
         *,
         fio: FileIO = DEFAULT_FILEIO,
         create: bool = True,
+        read_only: bool = False,
     ) -> None:
         self.config = config or StoreConfig()
         self.root = self.config.root.absolute()
         self.fio = fio
-        self._open_root(create)
-        self.engine = HostEngine(self.config.replace(root=self.root), fio)
+        # Read-only: nothing is created, probed, quarantined or touched (tools, copied stores).
+        self.read_only = read_only
+        self._open_root(create and not read_only)
+        self.engine = HostEngine(self.config.replace(root=self.root), fio, probe=not read_only)
         self.stats = StoreStats()
         self._namespaces: dict[str, Namespace] = {}
 
@@ -62,9 +68,7 @@ class KVStore:
                 )
             if not create:
                 raise StoreFormatError(f"store root {self.root}: no kvstore store here")
-            metadata.write_document(
-                self.fio, self.root, metadata.root_document(), self.config.durable
-            )
+            self._write_document(self.root, metadata.root_document())
             return
         attrs = metadata.kvstore_attrs(doc)
         if attrs != metadata.STORE_ATTRS:
@@ -88,11 +92,9 @@ class KVStore:
         path = self.root / name
         doc = metadata.read_document(path)
         if doc is None:
-            if not create:
+            if not create or self.read_only:
                 raise StoreFormatError(f"namespace {name} does not exist in {self.root}")
-            metadata.write_document(
-                self.fio, path, metadata.namespace_document(identity), self.config.durable
-            )
+            self._write_document(path, metadata.namespace_document(identity))
         else:
             stored = _stored_identity(path, doc)
             if stored != identity:
@@ -104,8 +106,18 @@ class KVStore:
         self._namespaces[name] = ns
         return ns
 
+    def _write_document(self, directory: Path, content: bytes) -> None:
+        config = self.config
+        metadata.write_document(
+            self.fio, directory, content, config.durable, config.file_mode, config.dir_mode
+        )
+
     def open_namespace(self, name: str) -> Namespace:
         """An existing namespace by directory name, with the identity stored in it (tools)."""
+        if not NAMESPACE_NAME.fullmatch(name):
+            raise StoreFormatError(
+                f"namespace name: expected <model slug>-<12 hex digits>, got {name!r}"
+            )
         path = self.root / name
         doc = metadata.read_document(path)
         if doc is None:
@@ -164,8 +176,11 @@ class Namespace:
         expected = metadata.array_document(identity, index)
         doc = metadata.read_document(array_path)
         config = self.store.config
-        if doc is None:
-            metadata.write_document(self.store.fio, array_path, expected, config.durable)
+        created = doc is None
+        if created:
+            if self.store.read_only:
+                raise StoreFormatError(f"{array_path}/zarr.json: missing (store opened read-only)")
+            self.store._write_document(array_path, expected)
         elif doc != _json(expected):
             raise StoreFormatError(
                 f"{array_path}/zarr.json: expected the array document of format v1 for this "
@@ -185,9 +200,11 @@ class Namespace:
             checksum=config.checksum,
             verify_reads=config.verify_reads,
             quarantine_dir=self.path / QUARANTINE if config.quarantine else None,
+            read_only=self.store.read_only,
         )
-        for hi in range(256):  # pre-create the fan-out so block writes never mkdir
-            self.store.fio.makedirs(str(group.fanout_dir(hi)))
+        if created:  # pre-create the fan-out so block writes never mkdir
+            for hi in range(256):
+                self.store.fio.makedirs(str(group.fanout_dir(hi)), config.dir_mode)
         return group
 
 
