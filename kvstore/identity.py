@@ -183,13 +183,26 @@ class Identity:
         return f"{model_slug(self.model)}-{self.digest.hex()[:12]}"
 
     def describe_difference(self, other: Identity) -> str:
-        """Human-readable list of the fields where ``other`` differs from ``self``."""
+        """The fields where ``other`` differs from ``self``, named down to the group field."""
         mine, theirs = self.to_json(), other.to_json()
         diffs = [
             f"{key}: expected {mine[key]!r}, got {theirs[key]!r}"
             for key in sorted(mine)
-            if mine[key] != theirs.get(key)
+            if key != "groups" and mine[key] != theirs.get(key)
         ]
+        if len(mine["groups"]) != len(theirs["groups"]):
+            n_mine, n_theirs = len(mine["groups"]), len(theirs["groups"])
+            diffs.append(f"groups: expected {n_mine} KV-cache groups, got {n_theirs}")
+        else:
+            for k, (g_mine, g_theirs) in enumerate(
+                zip(mine["groups"], theirs["groups"], strict=True)
+            ):
+                diffs.extend(
+                    f"groups[{k}].{field}: expected {g_mine.get(field)!r}, "
+                    f"got {g_theirs.get(field)!r}"
+                    for field in sorted(set(g_mine) | set(g_theirs))
+                    if g_mine.get(field) != g_theirs.get(field)
+                )
         return "; ".join(diffs) or "identical"
 
 

@@ -244,17 +244,22 @@ class GroupStore:
                 dirs.add(directory)
             out.append(WriteResult(status))
         if dirs and self.engine.config.durable:
-            synced = self.engine.map(self._fio.fsync_dir, sorted(dirs))
-            errors = [e for e in synced if isinstance(e, BaseException)]
-            if errors:
-                # The renames happened but may not survive a power loss: report them failed.
-                message = f"directory fsync failed: {errors[0]}"
-                out = [
-                    WriteResult(WriteStatus.FAILED, message)
-                    if r.status is WriteStatus.WRITTEN
-                    else r
-                    for r in out
-                ]
+            ordered = sorted(dirs)
+            synced = self.engine.map(self._fio.fsync_dir, ordered)
+            bad_dirs = {
+                d for d, e in zip(ordered, synced, strict=True) if isinstance(e, BaseException)
+            }
+            if bad_dirs:
+                # The renames happened but may not survive a power loss. FAILED promises "not
+                # published", so those blocks are withdrawn (a reader that got one read valid,
+                # verified bytes; the engine just cannot count on the block).
+                error = next(e for e in synced if isinstance(e, BaseException))
+                message = f"directory fsync failed: {error}"
+                for i, block_hash in enumerate(hashes):
+                    path = self.path_of(block_hash)
+                    if out[i].status is WriteStatus.WRITTEN and os.path.dirname(path) in bad_dirs:
+                        self._remove_quietly(path)
+                        out[i] = WriteResult(WriteStatus.FAILED, message)
                 failures.append(message)
         written = sum(r.status is WriteStatus.WRITTEN for r in out)
         self.stats.add(
