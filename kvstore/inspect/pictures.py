@@ -70,7 +70,8 @@ def heatmap_png(
     axes = fig.subplots(1, len(grids), squeeze=False)[0]
     nonfinite = int((~np.isfinite(values)).sum())
     for ax, (part, grid) in zip(axes, grids, strict=True):
-        masked = np.ma.masked_invalid(grid)
+        # imshow paints NaN with the colormap's "bad" colour; Inf is folded into NaN first.
+        masked = np.where(np.isfinite(grid), grid, np.nan)
         cmap = colormaps["viridis"].with_extremes(bad="#d62728")
         image = ax.imshow(masked, aspect="auto", interpolation="nearest", cmap=cmap)
         ax.set_title(f"{part} {metric}")

@@ -1,0 +1,174 @@
+"""The connector's settings: one frozen dataclass, parsed once from ``kv_connector_extra_config``.
+
+``kv_connector_extra_config`` is one flat JSON object shared by three readers, so every key
+belongs to exactly one of them:
+
+* vLLM's own keys (:data:`VLLM_KEYS`): read by vLLM's ``OffloadingConnector`` and spec
+  factory; accepted here and otherwise ignored (``blocks_per_chunk`` / ``block_size`` are then
+  checked against what the store supports, see :mod:`connector.identity`);
+* store keys: the fields of :class:`kvstore.StoreConfig` (``root``, ``io_threads``,
+  ``durability``, ...), parsed by :meth:`kvstore.StoreConfig.from_mapping`;
+* connector keys: the other fields of :class:`ConnectorConfig`.
+
+A key none of them knows, or a value of the wrong type, is a :class:`kvstore.ConfigError` at
+startup naming the accepted keys. ``root`` is required: a relative default would put the cache
+in whatever directory the server happened to start in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore import ConfigError, StoreConfig
+
+# Keys of kv_connector_extra_config that vLLM 0.33 itself reads (offloading/config.py,
+# kv_offload/base.py, offloading/scheduler.py, kv_offload/factory.py).
+VLLM_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "block_size",
+        "blocks_per_chunk",
+        "canonical_layout",
+        "sync_load_budget_bytes",
+        "offload_prompt_only",
+        "self_describing_kv_events",
+    }
+)
+
+# Compression codecs the store can write. Format v1 stores inner chunks raw; compressed
+# namespaces (DESIGN.md section 3) are not implemented yet.
+COMPRESSIONS = ("none",)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Everything the kvstore connector reads from ``kv_connector_extra_config``."""
+
+    # The store: root directory, I/O threads, durability, checksums, ... (kvstore.StoreConfig).
+    store: StoreConfig = field(default_factory=StoreConfig)
+    # Model name in the namespace identity. "" = vLLM's --model. Set it when the same
+    # checkpoint is served from different local paths and should share one cache.
+    model_name: str = ""
+    # Model revision in the namespace identity. "" = vLLM's --revision ("" when unset).
+    model_revision: str = ""
+    # Inner-chunk compression. Only "none" exists in format v1 (raw chunks).
+    compression: str = "none"
+    # Scheduler: keys checked per batched existence probe of the shared store.
+    probe_batch: int = 256
+    # Scheduler: background threads running existence probes and block publishes.
+    probe_threads: int = 2
+    # Scheduler: seconds a "not in the store" answer is trusted before it is probed again
+    # (another server sharing the directory may have written the block since).
+    miss_ttl_s: float = 5.0
+    # Scheduler: keys remembered as present (LRU); older ones are simply probed again.
+    index_capacity: int = 1_000_000
+    # Worker: threads running store and load jobs (the file I/O itself uses store io_threads).
+    worker_threads: int = 2
+    # Scheduler: after a failed store (e.g. a full disk), offer no new stores for this many
+    # seconds; lookups and loads go on.
+    write_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, StoreConfig):
+            raise ConfigError(f"store: expected a StoreConfig, got {self.store!r}")
+        for name in ("model_name", "model_revision", "compression"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name}: expected a string, got {getattr(self, name)!r}")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(
+                f"compression: expected one of {list(COMPRESSIONS)} (format v1 stores raw "
+                f"inner chunks; compressed namespaces are not implemented), got "
+                f"{self.compression!r}"
+            )
+        for name, low, high in (
+            ("probe_batch", 1, 1 << 20),
+            ("probe_threads", 1, 64),
+            ("index_capacity", 1, 1 << 40),
+            ("worker_threads", 1, 64),
+        ):
+            value = getattr(self, name)
+            if not _is_int(value) or not low <= value <= high:
+                raise ConfigError(f"{name}: expected an int in [{low}, {high}], got {value!r}")
+        for name in ("miss_ttl_s", "write_backoff_s"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 <= value < math.inf:
+                raise ConfigError(f"{name}: expected a number of seconds >= 0, got {value!r}")
+
+    @classmethod
+    def connector_keys(cls) -> tuple[str, ...]:
+        """Keys of this dataclass (``store`` excluded: its fields are given flat)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "store")
+
+    @classmethod
+    def accepted_keys(cls) -> list[str]:
+        """Every key ``kv_connector_extra_config`` may hold, sorted."""
+        return sorted({*cls.connector_keys(), *StoreConfig.field_names(), *VLLM_KEYS})
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
+        """Parse ``kv_connector_extra_config``; :class:`ConfigError` on anything unknown."""
+        if not isinstance(extra, Mapping):
+            raise ConfigError(
+                f"kv_connector_extra_config: expected a JSON object, got {type(extra).__name__}"
+            )
+        unknown = sorted(str(k) for k in extra if k not in cls.accepted_keys())
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config: unknown key(s) {unknown}; accepted keys: "
+                f"{cls.accepted_keys()}"
+            )
+        if "root" not in extra:
+            raise ConfigError(
+                "kv_connector_extra_config: expected 'root' (the kvstore directory, e.g. "
+                '"/mnt/kvcache"), got none'
+            )
+        store_keys = set(StoreConfig.field_names())
+        store = StoreConfig.from_mapping({k: v for k, v in extra.items() if k in store_keys})
+        values: dict[str, Any] = {}
+        defaults = cls(store=store)
+        for name in cls.connector_keys():
+            if name in extra:
+                values[name] = _convert(name, extra[name], getattr(defaults, name))
+        return dataclasses.replace(defaults, **values)
+
+
+def _convert(name: str, value: object, default: object) -> object:
+    """``value`` as the type of ``default``; strings from JSON are converted strictly."""
+    if isinstance(default, bool):  # pragma: no cover - no bool connector field today
+        raise ConfigError(f"{name}: cannot convert {value!r}")
+    if isinstance(default, int):
+        if _is_int(value):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value, 10)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected an int, got {value!r}")
+    if isinstance(default, float):
+        if _is_number(value):
+            return float(value)  # type: ignore[arg-type]
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if isinstance(default, str):
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    raise ConfigError(f"{name}: cannot convert {value!r}")  # pragma: no cover
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -1,0 +1,391 @@
+"""The scheduler side: which blocks the store holds, and publishing what the workers wrote.
+
+vLLM calls every method on its scheduler thread (holding ``lock``, a no-op here: the
+background threads never touch this object's state; they only return futures, which the
+scheduler thread applies at its next call).
+
+* ``lookup`` answers from an in-memory view: HIT for a key known present (LRU of
+  ``index_capacity`` keys), HIT_PENDING while its publish is running, MISS for a key probed
+  absent less than ``miss_ttl_s`` ago or being stored by another request, otherwise RETRY:
+  the key joins a batched existence probe of the shared store (``probe_batch`` keys per task,
+  ``probe_threads`` threads), flushed at the end of the step, and vLLM asks again next step.
+* ``prepare_load`` pins the keys, ``complete_load`` unpins them (the connector itself never
+  evicts; ``kvstore gc`` runs outside the engine, and a block it removes during a load is a
+  load error like any vanished file).
+* ``prepare_store`` skips keys already present, being published or being stored, opens a
+  pending block for each other key (:meth:`kvstore.GroupStore.begin_blocks`, with its parent:
+  the key ending one block earlier in the same request) and returns a small picklable spec.
+* ``complete_store`` (vLLM calls it once every worker reported the job) publishes the blocks
+  in the background (:meth:`GroupStore.commit_blocks`: checks, rename, directory fsync); the
+  blocks some worker failed to write are aborted instead (temporary files removed) and, for
+  ``write_backoff_s`` seconds, no new stores are offered (a full disk does not fill the log).
+* :meth:`KVStoreManager.note_worker_failures` (from the connector) records those store
+  failures, and forgets keys whose load failed (quarantined or vanished files).
+* ``reset_cache`` drops the in-memory view only: the store is persistent and shared.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Callable, Collection, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from connector.config import ConnectorConfig
+from connector.identity import KeyMap
+from connector.specs import KVStoreLoadSpec, KVStoreStoreSpec
+from kvstore import KVStore, Namespace, PendingBlock, WriteStatus
+from kvstore.checksum import checksum_id
+
+log = logging.getLogger("kvstore.connector")
+
+
+@dataclass
+class _ParentIndex:
+    """Per request: (vLLM group id, end token) -> key, to find a block's parent."""
+
+    by_end: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    seen: int = 0  # entries of the request's key-position table already indexed
+
+
+class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
+    """Scheduler-side index and publisher of one engine's namespace."""
+
+    def __init__(
+        self,
+        *,
+        store: KVStore,
+        namespace: Namespace,
+        key_map: KeyMap,
+        options: ConnectorConfig,
+        commit_checksum_all: bool,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.key_map = key_map
+        self.options = options
+        self.tokens_per_block = namespace.identity.tokens_per_block
+        # DCP writers fill inner chunks by byte ranges: their checksums are computed at commit.
+        self._commit_chunks = {
+            g.index: tuple(range(g.layout.num_chunks)) if commit_checksum_all else ()
+            for g in namespace.groups
+        }
+        self._checksum_algo = checksum_id(store.config.checksum)
+        self._now = monotonic
+        self._pool = ThreadPoolExecutor(options.probe_threads, thread_name_prefix="kvstore-probe")
+        self._present: OrderedDict[bytes, None] = OrderedDict()
+        self._absent: dict[bytes, float] = {}  # key -> time the answer expires
+        self._probing: set[bytes] = set()
+        self._probe_queue: list[bytes] = []
+        self._probes: list[tuple[list[bytes], Future[list[tuple[bytes, bool]]]]] = []
+        self._pending: dict[bytes, PendingBlock] = {}  # prepared stores, not yet completed
+        self._failed_stores: set[bytes] = set()
+        self._publishing: set[bytes] = set()
+        self._publishes: list[Future[list[tuple[bytes, WriteStatus]]]] = []
+        self._pins: Counter[bytes] = Counter()
+        self._orphans: list[PendingBlock] = []  # pending at a cache reset, aborted when flushed
+        self._backoff_until = 0.0
+        self.counters: Counter[str] = Counter()
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._drain()
+        k = bytes(key)
+        if k in self._present:
+            self._present.move_to_end(k)
+            return LookupResult.HIT
+        if k in self._publishing:
+            return LookupResult.HIT_PENDING
+        if k in self._pending:
+            return LookupResult.MISS  # another request is storing it; recompute meanwhile
+        expires = self._absent.get(k)
+        if expires is not None:
+            if expires > self._now():
+                return LookupResult.MISS
+            del self._absent[k]
+        if k not in self._probing:
+            self._probing.add(k)
+            self._probe_queue.append(k)
+            if len(self._probe_queue) >= self.options.probe_batch:
+                self._flush_probes()
+        return LookupResult.RETRY
+
+    def on_schedule_end(self, context: object) -> None:
+        self._flush_probes()
+        self._drain()
+
+    def _flush_probes(self) -> None:
+        batch, self._probe_queue = self._probe_queue, []
+        for start in range(0, len(batch), self.options.probe_batch):
+            chunk = batch[start : start + self.options.probe_batch]
+            self._probes.append((chunk, self._pool.submit(self._probe, chunk)))
+
+    def _probe(self, keys: Sequence[bytes]) -> list[tuple[bytes, bool]]:
+        """(background) Which keys have a published block."""
+        by_array: dict[int, list[bytes]] = defaultdict(list)
+        for key in keys:
+            by_array[self.key_map.split(key)[0]].append(key)
+        out: list[tuple[bytes, bool]] = []
+        for array, group_keys in by_array.items():
+            hashes = [self.key_map.split(k)[1] for k in group_keys]
+            out.extend(zip(group_keys, self.namespace.group(array).contains(hashes), strict=True))
+        return out
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> KVStoreLoadSpec:
+        ordered = [bytes(k) for k in keys]
+        self._pins.update(ordered)
+        self.counters["blocks_loaded"] += len(ordered)
+        return KVStoreLoadSpec(ordered, req_context.req_id)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for key in keys:
+            k = bytes(key)
+            self._pins[k] -= 1
+            if self._pins[k] <= 0:
+                del self._pins[k]
+
+    # -- stores --------------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput:
+        self._drain()
+        if self._now() < self._backoff_until:
+            return _empty_store(self.namespace.name, self._checksum_algo)
+        todo: list[bytes] = []
+        seen: set[bytes] = set()
+        for key in keys:
+            k = bytes(key)
+            if k in self._present or k in self._publishing or k in self._pending or k in seen:
+                continue
+            seen.add(k)
+            todo.append(k)
+        if not todo:
+            return _empty_store(self.namespace.name, self._checksum_algo)
+        by_array: dict[int, list[bytes]] = defaultdict(list)
+        for k in todo:
+            by_array[self.key_map.split(k)[0]].append(k)
+        for array, group_keys in by_array.items():
+            hashes = [self.key_map.split(k)[1] for k in group_keys]
+            parents = [self._parent(k, req_context) for k in group_keys]
+            pendings = self.namespace.group(array).begin_blocks(hashes, parents)
+            self._pending.update(zip(group_keys, pendings, strict=True))
+        spec = KVStoreStoreSpec(
+            self.namespace.name, self._checksum_algo, todo, [self._pending[k] for k in todo]
+        )
+        self.counters["blocks_prepared"] += len(todo)
+        return PrepareStoreOutput(
+            keys_to_store=[OffloadKey(k) for k in todo], store_spec=spec, evicted_keys=[]
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self._drain()
+        commit: dict[int, list[tuple[bytes, PendingBlock]]] = defaultdict(list)
+        abort: dict[int, list[tuple[bytes, PendingBlock]]] = defaultdict(list)
+        for key in keys:
+            k = bytes(key)
+            pending = self._pending.pop(k, None)
+            if pending is None:
+                continue
+            failed = not success or k in self._failed_stores
+            self._failed_stores.discard(k)
+            (abort if failed else commit)[pending.group].append((k, pending))
+        if not commit and not abort:
+            return
+        for items in commit.values():
+            self._publishing.update(k for k, _ in items)
+        self._publishes.append(self._pool.submit(self._publish, dict(commit), dict(abort)))
+
+    def _publish(
+        self,
+        commit: dict[int, list[tuple[bytes, PendingBlock]]],
+        abort: dict[int, list[tuple[bytes, PendingBlock]]],
+    ) -> list[tuple[bytes, WriteStatus]]:
+        """(background) Publish blocks every worker wrote; drop the others' temporary files."""
+        out: list[tuple[bytes, WriteStatus]] = []
+        for array, items in abort.items():
+            self.namespace.group(array).abort_blocks([p for _, p in items])
+            out.extend((k, WriteStatus.FAILED) for k, _ in items)
+        for array, items in commit.items():
+            pendings = [p for _, p in items]
+            try:
+                results = self.namespace.group(array).commit_blocks(
+                    pendings, [self._commit_chunks[array]] * len(pendings)
+                )
+                statuses = [r.status for r in results]
+            except Exception:
+                log.exception("kvstore: publishing %d blocks failed", len(items))
+                self.namespace.group(array).abort_blocks(pendings)
+                statuses = [WriteStatus.FAILED] * len(items)
+            out.extend(zip((k for k, _ in items), statuses, strict=True))
+        return out
+
+    def note_worker_failures(
+        self, failed_store_keys: Iterable[bytes], failed_load_keys: Iterable[bytes]
+    ) -> None:
+        """Worker reports (before ``complete_store`` of their job): what must not be
+        published, and keys whose file turned out missing or corrupt."""
+        stores = {bytes(k) for k in failed_store_keys} & self._pending.keys()
+        if stores:
+            self._failed_stores |= stores
+            if self.options.write_backoff_s > 0:
+                if self._now() >= self._backoff_until:
+                    log.warning(
+                        "kvstore: %d block writes failed; no new blocks are offered to the "
+                        "store for %.0f s",
+                        len(stores),
+                        self.options.write_backoff_s,
+                    )
+                self._backoff_until = self._now() + self.options.write_backoff_s
+        for key in failed_load_keys:
+            k = bytes(key)
+            self._present.pop(k, None)
+            self._absent.pop(k, None)
+            self.counters["load_failures"] += 1
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Apply the results of finished background probes and publishes."""
+        if self._probes:
+            waiting = []
+            for keys, future in self._probes:
+                if not future.done():
+                    waiting.append((keys, future))
+                    continue
+                try:
+                    results = future.result()
+                except Exception:
+                    log.exception("kvstore: an existence probe failed; keys will be probed again")
+                    self._probing.difference_update(keys)
+                    continue
+                self._apply_probe(results)
+            self._probes = waiting
+        if self._publishes:
+            waiting_p = []
+            for publish in self._publishes:
+                if not publish.done():
+                    waiting_p.append(publish)
+                    continue
+                for key, status in publish.result():
+                    self._publishing.discard(key)
+                    if status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
+                        self._remember(key)
+                        self.counters["blocks_published"] += status is WriteStatus.WRITTEN
+                    else:
+                        self.counters["blocks_not_published"] += 1
+            self._publishes = waiting_p
+
+    def _apply_probe(self, results: Iterable[tuple[bytes, bool]]) -> None:
+        expires = self._now() + self.options.miss_ttl_s
+        for key, present in results:
+            self._probing.discard(key)
+            if present:
+                self._remember(key)
+            else:
+                self._absent[key] = expires
+        if len(self._absent) > self.options.index_capacity:
+            now = self._now()
+            self._absent = {k: t for k, t in self._absent.items() if t > now}
+
+    def _remember(self, key: bytes) -> None:
+        self._present[key] = None
+        self._present.move_to_end(key)
+        while len(self._present) > self.options.index_capacity:
+            self._present.popitem(last=False)
+
+    def _parent(self, key: bytes, req_context: ReqContext) -> bytes | None:
+        """Block hash of the key that ends one block before ``key`` in this request."""
+        end = req_context.get_offload_key_position(OffloadKey(key))
+        if end is None or end <= self.tokens_per_block:
+            return None
+        index = req_context.get_state(_ParentIndex)
+        if index is None:
+            index = _ParentIndex()
+            req_context.set_state(index)
+        # vLLM 0.33 records every key's end token in this table (ReqContext has no public
+        # iterator); index the entries added since the last call.
+        positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
+        if len(positions) > index.seen:  # the table only grows, in insertion order
+            for k, pos in islice(positions.items(), index.seen, None):
+                index.by_end[(int.from_bytes(k[-4:], "big"), pos)] = bytes(k)
+            index.seen = len(positions)
+        parent = index.by_end.get((int.from_bytes(key[-4:], "big"), end - self.tokens_per_block))
+        return None if parent is None else self.key_map.split(parent)[1]
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._probe_queue or self._probes or self._publishes)
+
+    def reset_cache(self) -> None:
+        """Forget the in-memory view (the store itself is persistent and shared).
+
+        vLLM drops the jobs in flight: their ``complete_store`` / ``complete_load`` never
+        come. Their pending blocks are aborted once the workers reported them
+        (:meth:`on_reset_flushed`), since until then a worker may still be writing.
+        """
+        self._present.clear()
+        self._absent.clear()
+        self._pins.clear()
+        self._orphans.extend(self._pending.values())
+        self._pending.clear()
+        self._failed_stores.clear()
+
+    def on_reset_flushed(self) -> None:
+        orphans, self._orphans = self._orphans, []
+        by_array: dict[int, list[tuple[bytes, PendingBlock]]] = defaultdict(list)
+        for pending in orphans:
+            by_array[pending.group].append((pending.block_hash, pending))
+        if by_array:
+            self._publishes.append(self._pool.submit(self._publish, {}, dict(by_array)))
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for every queued probe and publish and apply them (tests, shutdown)."""
+        self._flush_probes()
+        futures: list[Future[Any]] = [f for _, f in self._probes]
+        futures.extend(self._publishes)
+        wait_futures(futures, timeout=timeout)
+        self._drain()
+
+    def shutdown(self) -> None:
+        self.drain()
+        leftovers: dict[int, list[PendingBlock]] = defaultdict(list)
+        for pending in self._pending.values():
+            leftovers[pending.group].append(pending)
+        for array, pendings in leftovers.items():
+            self.namespace.group(array).abort_blocks(pendings)
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+        self.store.close()
+
+
+def _empty_store(namespace: str, checksum_algo: int) -> PrepareStoreOutput:
+    return PrepareStoreOutput(
+        keys_to_store=[],
+        store_spec=KVStoreStoreSpec(namespace, checksum_algo, [], []),
+        evicted_keys=[],
+    )

@@ -1,0 +1,141 @@
+"""``KVStoreSpec``: the out-of-tree ``OffloadingSpec`` vLLM's OffloadingConnector loads.
+
+vLLM builds the spec in the scheduler process and in every worker process
+(``OffloadingSpecFactory.create_spec``), so ``__init__`` only parses and checks, with no
+I/O: the connector keys (:class:`connector.config.ConnectorConfig`), the engine facts handed
+over by :class:`connector.vllm_connector.KVStoreConnector`, the namespace identity
+(:mod:`connector.identity`). Every refusal is a :class:`kvstore.ConfigError` at startup.
+
+``get_manager`` (scheduler) and ``get_worker`` (each worker) open the store and the namespace
+(creating them on first use) and build :class:`connector.manager.KVStoreManager` /
+:class:`connector.worker.KVStoreWorker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
+
+from connector.config import ConnectorConfig
+from connector.facts import current
+from connector.identity import derive_identity
+from connector.manager import KVStoreManager
+from connector.rank import rank_context
+from connector.worker import KVStoreWorker, build_worker
+from kvstore import ConfigError, KVStore, Namespace, StoreConfig, StoreFormatError
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.config import OffloadingConfig
+
+log = logging.getLogger("kvstore.connector")
+
+
+def open_store(config: StoreConfig, wait_s: float = 10.0) -> KVStore:
+    """Open (or create) the store at ``config.root``. One place, so tests can inject faults.
+
+    The workers of an engine open the store concurrently at startup. While one of them
+    creates a new store, its temporary ``zarr.json`` makes the root look like a foreign,
+    non-empty directory to the others for a moment: they wait for the document (up to
+    ``wait_s``) instead of failing.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return KVStore(config)
+        except StoreFormatError:
+            if time.monotonic() > deadline or not _being_created(config.root):
+                raise
+            time.sleep(0.02)
+
+
+def _being_created(root: Path) -> bool:
+    try:
+        names = [p.name for p in Path(root).iterdir()]
+    except OSError:
+        return False
+    return bool(names) and all(n.startswith(".zarr.json.tmp-") for n in names)
+
+
+class KVStoreSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
+    """kvstore as vLLM's offloading medium: a persistent, shared, layout-free page store."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        facts = current()
+        if facts is None:
+            raise ConfigError(
+                "KVStoreSpec must be loaded by connector.KVStoreConnector (it reports failed "
+                'loads to vLLM): set "kv_connector": "KVStoreConnector" and '
+                '"kv_connector_module_path": "connector" in --kv-transfer-config'
+            )
+        self.facts = facts
+        self.options = ConnectorConfig.from_extra_config(config.extra_config)
+        if facts.kv_load_failure_policy != "recompute":
+            raise ConfigError(
+                f"kv_load_failure_policy={facts.kv_load_failure_policy!r}: kvstore serves a "
+                "missing or corrupt block as a miss that vLLM recomputes; set "
+                '"kv_load_failure_policy": "recompute" in --kv-transfer-config'
+            )
+        sync_budget = int(config.extra_config.get("sync_load_budget_bytes", 0) or 0)
+        if sync_budget > 0 and len(config.groups) > 1:
+            raise ConfigError(
+                "sync_load_budget_bytes > 0 with several KV-cache groups: vLLM 0.33 cannot "
+                "recompute a failed synchronous load of a multi-group model; leave it at 0"
+            )
+        self.identity, self.key_map = derive_identity(config, facts, self.options)
+        self._layer_views: dict[str, torch.Tensor] | None = None
+
+    def attach_layer_views(self, layer_views: Mapping[str, torch.Tensor]) -> None:
+        """vLLM's typed per-layer KV views (worker side), to certify the page form."""
+        self._layer_views = dict(layer_views)
+
+    def get_manager(self) -> KVStoreManager:
+        store, namespace = self._open()
+        log.info(
+            "kvstore: namespace %s in %s (%d KV groups, %d tokens per block)",
+            namespace.name,
+            store.root,
+            len(namespace.groups),
+            self.identity.tokens_per_block,
+        )
+        return KVStoreManager(
+            store=store,
+            namespace=namespace,
+            key_map=self.key_map,
+            options=self.options,
+            commit_checksum_all=self.facts.dcp > 1,
+        )
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> KVStoreWorker:
+        context = rank_context(self.facts, self.config.parallel.rank)
+        store, namespace = self._open()
+        try:
+            return build_worker(
+                kv_caches=kv_caches,
+                group_ids=[g.group_id for g in self.config.groups],
+                identity=self.identity,
+                key_map=self.key_map,
+                facts=self.facts,
+                context=context,
+                store=store,
+                namespace=namespace,
+                threads=self.options.worker_threads,
+                layer_views=self._layer_views,
+            )
+        except BaseException:
+            store.close()
+            raise
+
+    def _open(self) -> tuple[KVStore, Namespace]:
+        store = open_store(self.options.store)
+        try:
+            return store, store.namespace(self.identity)
+        except BaseException:
+            store.close()
+            raise

@@ -1,0 +1,149 @@
+"""``KVStoreConnector``: vLLM's OffloadingConnector plus load-failure reporting.
+
+vLLM 0.33's offloading worker asserts that every transfer succeeded, so a missing or corrupt
+block would crash the engine. This subclass changes nothing else; it
+
+* hands the engine facts to :class:`connector.spec.KVStoreSpec` while vLLM builds it, and
+  vLLM's typed layer views to it before the worker is built;
+* reports the GPU blocks of failed loads through ``get_block_ids_with_load_errors`` (with
+  ``kv_load_failure_policy="recompute"`` vLLM recomputes from the first failed block). vLLM
+  refuses block-level reports for models with several KV-cache groups, so for those the whole
+  load of the request is reported failed (``failed_recving``) and recomputed;
+* sends the keys of failed stores and loads to the scheduler in the per-step worker metadata
+  (:class:`KVStoreWorkerMetadata`), where the manager learns them before ``complete_store``
+  of the job (so those blocks are not published) and forgets keys whose file went bad.
+
+Load it with ``"kv_connector": "KVStoreConnector"``, ``"kv_connector_module_path":
+"connector"`` (see docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+    get_offloading_group_ids,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput
+
+from connector.facts import engine_facts, provide
+from connector.manager import KVStoreManager
+from connector.spec import KVStoreSpec
+from connector.worker import KVStoreWorker
+
+
+@dataclass
+class KVStoreWorkerMetadata(OffloadingWorkerMetadata):  # type: ignore[misc, unused-ignore]
+    """vLLM's per-step worker metadata plus the keys whose transfers failed on a worker."""
+
+    failed_store_keys: list[bytes] = field(default_factory=list)
+    failed_load_keys: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = super().aggregate(other)
+        assert isinstance(merged, OffloadingWorkerMetadata)
+        stores, loads = list(self.failed_store_keys), list(self.failed_load_keys)
+        if isinstance(other, KVStoreWorkerMetadata):
+            stores += other.failed_store_keys
+            loads += other.failed_load_keys
+        return KVStoreWorkerMetadata(
+            completed_jobs=merged.completed_jobs,
+            transfer_stats=merged.transfer_stats,
+            failed_store_keys=stores,
+            failed_load_keys=loads,
+        )
+
+
+class KVStoreConnector(OffloadingConnector):  # type: ignore[misc, unused-ignore]
+    """OffloadingConnector running :class:`KVStoreSpec`, with failed loads recomputed."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        with provide(engine_facts(vllm_config, kv_cache_config)):
+            super().__init__(vllm_config, role, kv_cache_config)
+        # vLLM maps block-level load errors back to requests only for single-group models.
+        self._request_level_errors = len(get_offloading_group_ids(kv_cache_config)) > 1
+
+    @property
+    def kvstore_worker(self) -> KVStoreWorker | None:
+        """The spec's worker on a worker process (None on the scheduler or before setup)."""
+        worker = self.connector_worker.worker if self.connector_worker is not None else None
+        return worker if isinstance(worker, KVStoreWorker) else None
+
+    @property
+    def kvstore_manager(self) -> KVStoreManager | None:
+        """The spec's manager on the scheduler process (None on workers)."""
+        scheduler = self.connector_scheduler
+        manager = scheduler.manager if scheduler is not None else None
+        return manager if isinstance(manager, KVStoreManager) else None
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.connector_worker is not None and isinstance(
+            self.connector_worker.spec, KVStoreSpec
+        ):
+            self.connector_worker.spec.attach_layer_views(kv_caches)
+        super().register_kv_caches(kv_caches)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        worker = self.kvstore_worker
+        if worker is not None:
+            failed = worker.take_failed_load_requests()
+            if self._request_level_errors:
+                results.failed_recving |= failed & results.finished_recving
+        return results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = self.kvstore_worker
+        if worker is None:
+            return set()
+        blocks = worker.take_load_error_blocks()
+        return set() if self._request_level_errors else blocks
+
+    def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
+        meta = super().build_connector_worker_meta()
+        worker = self.kvstore_worker
+        if worker is None:
+            return meta
+        stores, loads = worker.take_failed_keys()
+        if meta is None and not stores and not loads:
+            return None
+        base = meta if meta is not None else OffloadingWorkerMetadata()
+        return KVStoreWorkerMetadata(
+            completed_jobs=base.completed_jobs,
+            transfer_stats=base.transfer_stats,
+            failed_store_keys=stores,
+            failed_load_keys=loads,
+        )
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta: Any = connector_output.kv_connector_worker_meta
+        manager = self.kvstore_manager
+        if (
+            manager is not None
+            and isinstance(meta, KVStoreWorkerMetadata)
+            and (meta.failed_store_keys or meta.failed_load_keys)
+        ):
+            with manager.lock:
+                manager.note_worker_failures(meta.failed_store_keys, meta.failed_load_keys)
+        super().update_connector_output(connector_output)

@@ -1,0 +1,434 @@
+"""The worker side (one per GPU process): moves this rank's share of blocks, never blocks vLLM.
+
+* ``submit_store``: for the blocks this rank is elected to write
+  (:meth:`kvstore.rank_io.RankIO.elected`), snapshot its pages of them into host buffers
+  (:mod:`connector.streams`: after the compute stream, on a side stream on GPUs), then, on a
+  job thread, write its share into each block's pending file (:meth:`RankIO.store`). The
+  scheduler publishes the blocks once every rank reported the job. ``wait`` on a store returns
+  as soon as the snapshot is taken: the GPU blocks may be reused from then on.
+* ``submit_load``: on a job thread, read and verify the chunks this rank holds and scatter
+  them into its pages (:meth:`RankIO.load`); ``wait`` returns only when the bytes are on the
+  device.
+* Every job is reported by ``get_finished``, empty ones included, always as a success: vLLM
+  0.33 asserts that transfers succeed. What failed is kept for the connector
+  (:class:`connector.vllm_connector.KVStoreConnector`) to report: GPU block ids of failed
+  loads (``get_block_ids_with_load_errors``), requests whose load failed (multi-group
+  models), and the keys of failed stores and loads (sent to the scheduler, which then does not
+  publish those blocks and forgets those it believed present). One log line per failed job.
+
+Layout: per offloaded group, the local tensors and the certified
+:class:`kvstore.layout.RankMapping` come from :mod:`connector.rank`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from connector.facts import EngineFacts
+from connector.identity import KeyMap
+from connector.jobs import EXPEDITED, LOAD, STORE, PriorityExecutor
+from connector.rank import RankContext, certify, check_mapping, family_of, group_tensors
+from connector.specs import KVStoreLoadSpec, KVStoreStoreSpec
+from connector.streams import PASSED, Fence, Streams, streams_for
+from kvstore import Identity, KVStore, LayoutError, Namespace
+from kvstore.rank_io import RankIO
+from kvstore.store.types import PendingBlock, ReadStatus
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from vllm.v1.kv_offload.base import CanonicalKVCaches
+
+log = logging.getLogger("kvstore.connector")
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """One offloaded KV-cache group on this rank."""
+
+    position: int  # index in vLLM's offloaded-group order (GPULoadStoreSpec.group_sizes)
+    array: int  # store array g<array>
+    rank_io: RankIO  # this rank's mapping joined to the group's store
+    tensors: tuple[torch.Tensor, ...]  # local tensors in the mapping's form
+
+
+@dataclass
+class _Outcome:
+    nbytes: int = 0
+    failed_keys: list[bytes] = field(default_factory=list)
+    failed_blocks: list[int] = field(default_factory=list)
+    reasons: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _Job:
+    job_id: int
+    is_load: bool
+    keys: Sequence[bytes]
+    blocks: Sequence[int]  # GPU block ids (loads: what to report if the job itself fails)
+    started: float
+    fence: Fence  # store: snapshot taken
+    future: Future[_Outcome]
+    req_id: str = ""
+
+
+# (group, indices into the job's keys, GPU block ids), one per offloaded group
+_Part = tuple[WorkerGroup, list[int], list[int]]
+_S = TypeVar("_S", bound=LoadStoreSpec)
+
+
+class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
+    """Transfers between this rank's KV tensors and the store (one vLLM worker process)."""
+
+    def __init__(
+        self,
+        *,
+        store: KVStore,
+        key_map: KeyMap,
+        groups: Sequence[WorkerGroup],
+        streams: Streams,
+        threads: int,
+    ) -> None:
+        self.store = store
+        self.key_map = key_map
+        self.groups = tuple(groups)
+        self.streams = streams
+        self._executor = PriorityExecutor(threads, "kvstore-worker")
+        self._jobs: dict[int, _Job] = {}
+        self._load_error_blocks: set[int] = set()
+        self._failed_load_requests: set[str] = set()
+        self._failed_store_keys: list[bytes] = []
+        self._failed_load_keys: list[bytes] = []
+
+    # -- vLLM's OffloadingWorker ---------------------------------------------------------------
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        started = time.monotonic()
+        keys: Sequence[bytes] = getattr(dst_spec, "keys", ())
+        try:
+            work = self._elected_work(_expect(KVStoreStoreSpec, dst_spec), src_spec)
+            snapshot, fence = self.streams.snapshot(
+                lambda: [self._copy_out(group, ids) for group, _, _, ids in work]
+            )
+            future = self._executor.submit(STORE, lambda: self._write(fence, work, snapshot))
+        except Exception as exc:
+            log.exception("kvstore: store job %d could not start; its blocks are skipped", job_id)
+            future = _failed_future(exc)
+            fence = PASSED
+        blocks = [int(b) for b in src_spec.block_ids]
+        self._jobs[job_id] = _Job(job_id, False, keys, blocks, started, fence, future)
+        return True
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        started = time.monotonic()
+        keys: Sequence[bytes] = getattr(src_spec, "keys", ())
+        req_id = str(getattr(src_spec, "req_id", ""))
+        try:
+            load_keys = _expect(KVStoreLoadSpec, src_spec).keys
+            parts = self._split(load_keys, dst_spec)
+            fence = self.streams.mark()
+            future = self._executor.submit(
+                EXPEDITED if expedited else LOAD, lambda: self._read(fence, parts, load_keys)
+            )
+        except Exception as exc:
+            log.exception("kvstore: load job %d could not start; the engine recomputes", job_id)
+            future = _failed_future(exc)
+        blocks = [int(b) for b in dst_spec.block_ids]
+        self._jobs[job_id] = _Job(job_id, True, keys, blocks, started, PASSED, future, req_id)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        results: list[TransferResult] = []
+        for job_id, job in list(self._jobs.items()):
+            if not job.future.done():
+                continue
+            del self._jobs[job_id]
+            try:
+                outcome = job.future.result()
+            except Exception as exc:  # the whole job failed: all of its blocks did
+                outcome = _Outcome()
+                _fail(outcome, job.keys, job.blocks if job.is_load else [], exc)
+            self._record(job, outcome)
+            results.append(
+                TransferResult(
+                    job_id=job_id,
+                    success=True,  # vLLM 0.33 asserts success; failures are reported apart
+                    transfer_size=outcome.nbytes,
+                    transfer_time=time.monotonic() - job.started,
+                )
+            )
+        return results
+
+    def wait(self, job_ids: set[int]) -> None:
+        loads: list[Future[_Outcome]] = []
+        for job_id in job_ids:
+            job = self._jobs.get(job_id)
+            if job is None:
+                continue
+            if job.is_load:
+                loads.append(job.future)
+            else:
+                job.fence.wait()  # the snapshot; the file writes go on in the background
+        wait_futures(loads)
+
+    def shutdown(self) -> None:
+        wait_futures([job.future for job in self._jobs.values()])
+        self._executor.shutdown()
+        self.store.close()
+
+    @property
+    def jobs_in_flight(self) -> int:
+        """Jobs submitted and not yet returned by ``get_finished``."""
+        return len(self._jobs)
+
+    # -- failure reports, drained by the connector ---------------------------------------------
+
+    def take_load_error_blocks(self) -> set[int]:
+        """GPU block ids whose load failed since the last call."""
+        out, self._load_error_blocks = self._load_error_blocks, set()
+        return out
+
+    def take_failed_load_requests(self) -> set[str]:
+        """Requests with a failed load since the last call."""
+        out, self._failed_load_requests = self._failed_load_requests, set()
+        return out
+
+    def take_failed_keys(self) -> tuple[list[bytes], list[bytes]]:
+        """(keys of failed stores, keys of failed loads) since the last call."""
+        out = (self._failed_store_keys, self._failed_load_keys)
+        self._failed_store_keys, self._failed_load_keys = [], []
+        return out
+
+    # -- stores --------------------------------------------------------------------------------
+
+    def _elected_work(
+        self, spec: KVStoreStoreSpec, src: GPULoadStoreSpec
+    ) -> list[tuple[WorkerGroup, list[PendingBlock], list[bytes], list[int]]]:
+        work = []
+        for group, indices, block_ids in self._split(spec.keys, src):
+            pendings = [spec.pending(i) for i in indices]
+            mine = [j for j, e in enumerate(group.rank_io.elected(pendings)) if e]
+            if mine and group.rank_io.mapping.share_bytes:
+                work.append(
+                    (
+                        group,
+                        [pendings[j] for j in mine],
+                        [spec.keys[indices[j]] for j in mine],
+                        [block_ids[j] for j in mine],
+                    )
+                )
+        return work
+
+    def _copy_out(self, group: WorkerGroup, block_ids: list[int]) -> list[torch.Tensor]:
+        """This rank's pages of ``block_ids``, copied into host memory (the snapshot)."""
+        mapping = group.rank_io.mapping
+        if mapping.form.packing == "packed":
+            width = mapping.form.group_offset + mapping.share_bytes
+        else:
+            width = mapping.page_bytes
+        index = torch.tensor(block_ids, dtype=torch.int64, device=group.tensors[0].device)
+        out = []
+        for tensor in group.tensors:
+            rows = tensor.narrow(1, 0, width).index_select(0, index)
+            if rows.device.type != "cpu":  # pragma: no cover - needs a GPU
+                host = self.streams.host_empty(tuple(rows.shape), rows.dtype)
+                host.copy_(rows, non_blocking=True)
+                rows = host
+            out.append(rows)
+        return out
+
+    def _write(
+        self,
+        fence: Fence,
+        work: list[tuple[WorkerGroup, list[PendingBlock], list[bytes], list[int]]],
+        snapshot: list[list[torch.Tensor]],
+    ) -> _Outcome:
+        outcome = _Outcome()
+        try:
+            fence.wait()
+        except Exception as exc:
+            for _, _, keys, _ in work:
+                _fail(outcome, keys, [], exc)
+            return outcome
+        for (group, pendings, keys, _), tensors in zip(work, snapshot, strict=True):
+            try:
+                errors: Sequence[BaseException | None] = group.rank_io.store(
+                    tensors, pendings, list(range(len(pendings)))
+                )
+            except Exception as exc:
+                errors = [exc] * len(pendings)
+            for key, error in zip(keys, errors, strict=True):
+                if error is None:
+                    outcome.nbytes += group.rank_io.mapping.share_bytes
+                else:
+                    _fail(outcome, [key], [], error)
+        return outcome
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def _read(self, fence: Fence, parts: list[_Part], keys: Sequence[bytes]) -> _Outcome:
+        outcome = _Outcome()
+        try:
+            self.streams.run_after(fence, lambda: self._read_now(parts, keys, outcome))
+        except Exception as exc:  # e.g. the device copy failed: nothing can be trusted
+            outcome = _Outcome()
+            for _, indices, block_ids in parts:
+                _fail(outcome, [keys[i] for i in indices], block_ids, exc)
+        return outcome
+
+    def _read_now(self, parts: list[_Part], keys: Sequence[bytes], outcome: _Outcome) -> None:
+        for group, indices, block_ids in parts:
+            if not indices:
+                continue
+            hashes = [self.key_map.split(keys[i])[1] for i in indices]
+            try:
+                results = group.rank_io.load(group.tensors, hashes, block_ids)
+            except Exception as exc:
+                _fail(outcome, [keys[i] for i in indices], block_ids, exc)
+                continue
+            for i, block_id, result in zip(indices, block_ids, results, strict=True):
+                if result.ok:
+                    outcome.nbytes += group.rank_io.read_nbytes
+                else:
+                    outcome.failed_keys.append(keys[i])
+                    outcome.failed_blocks.append(block_id)
+                    outcome.reasons[_reason(result.status)] += 1
+
+    # -- shared --------------------------------------------------------------------------------
+
+    def _split(self, keys: Sequence[bytes], gpu: GPULoadStoreSpec) -> list[_Part]:
+        """Pair each group's keys with its GPU blocks (one GPU block per stored block)."""
+        by_array: dict[int, list[int]] = defaultdict(list)
+        for i, key in enumerate(keys):
+            by_array[self.key_map.split(key)[0]].append(i)
+        block_ids = [int(b) for b in gpu.block_ids]
+        sizes = list(gpu.group_sizes)
+        if len(sizes) != len(self.groups):
+            raise LayoutError(f"job lists {len(sizes)} KV groups, worker has {len(self.groups)}")
+        parts: list[_Part] = []
+        offset = 0
+        for group, size in zip(self.groups, sizes, strict=True):
+            indices = by_array.pop(group.array, [])
+            if len(indices) != size:
+                raise LayoutError(
+                    f"group g{group.array}: {len(indices)} keys for {size} GPU blocks (expected "
+                    "one GPU block per stored block)"
+                )
+            parts.append((group, indices, block_ids[offset : offset + size]))
+            offset += size
+        if by_array:
+            raise LayoutError(f"job has keys of arrays {sorted(by_array)} it lists no blocks for")
+        return parts
+
+    def _record(self, job: _Job, outcome: _Outcome) -> None:
+        if not outcome.failed_keys:
+            return
+        kind = "load" if job.is_load else "store"
+        detail = ", ".join(f"{n} {r}" for r, n in outcome.reasons.most_common())
+        consequence = "the engine recomputes them" if job.is_load else "they are not published"
+        log.warning(
+            "kvstore: %s job %d: %d of %d blocks failed (%s); %s",
+            kind,
+            job.job_id,
+            len(outcome.failed_keys),
+            len(job.keys),
+            detail,
+            consequence,
+        )
+        if job.is_load:
+            self._load_error_blocks.update(outcome.failed_blocks)
+            self._failed_load_keys.extend(outcome.failed_keys)
+            if job.req_id:
+                self._failed_load_requests.add(job.req_id)
+        else:
+            self._failed_store_keys.extend(outcome.failed_keys)
+
+
+def build_worker(
+    *,
+    kv_caches: CanonicalKVCaches,
+    group_ids: Sequence[int],
+    identity: Identity,
+    key_map: KeyMap,
+    facts: EngineFacts,
+    context: RankContext,
+    store: KVStore,
+    namespace: Namespace,
+    threads: int,
+    layer_views: Mapping[str, torch.Tensor] | None,
+) -> KVStoreWorker:
+    """Certify every offloaded group's layout for this rank and build the worker.
+
+    ``group_ids`` are vLLM's offloaded group ids in the order of ``kv_caches.group_data_refs``.
+    """
+    family = family_of(facts.kv_cache_layout)
+    groups = []
+    for position, group_id in enumerate(group_ids):
+        array = key_map.array_of(group_id)
+        group_facts = facts.group(group_id)
+        local = group_tensors(kv_caches, position, group_facts, family, layer_views)
+        mapping = certify(identity, array, context, local.form)
+        where = f"KV-cache group {group_id} on rank {context.global_rank}"
+        check_mapping(mapping, local, group_facts.page_bytes, where)
+        rank_io = RankIO(namespace.group(array), mapping)
+        groups.append(WorkerGroup(position, array, rank_io, local.tensors))
+    if not kv_caches.tensors:
+        raise LayoutError("no KV cache tensors to offload")
+    device = kv_caches.tensors[0].tensor.device
+    return KVStoreWorker(
+        store=store, key_map=key_map, groups=groups, streams=streams_for(device), threads=threads
+    )
+
+
+def _fail(outcome: _Outcome, keys: Sequence[bytes], blocks: Sequence[int], exc: Any) -> None:
+    outcome.failed_keys.extend(keys)
+    outcome.failed_blocks.extend(blocks)
+    outcome.reasons[_error_text(exc)] += len(keys)
+
+
+def _error_text(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _reason(status: ReadStatus) -> str:
+    return {
+        ReadStatus.MISS: "missing",
+        ReadStatus.CORRUPT: "corrupt, quarantined",
+        ReadStatus.ERROR: "read error",
+    }.get(status, status.value)
+
+
+def _expect(kind: type[_S], spec: LoadStoreSpec) -> _S:
+    if not isinstance(spec, kind):
+        raise TypeError(f"expected a {kind.__name__}, got {type(spec).__name__}")
+    return spec
+
+
+def _failed_future(exc: BaseException) -> Future[_Outcome]:
+    future: Future[_Outcome] = Future()
+    future.set_exception(exc)
+    return future
