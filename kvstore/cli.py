@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvstore import demo
 from kvstore.admin import commands as admin_commands
+from kvstore.cli_args import positive_int
 from kvstore.errors import KvstoreError
 from kvstore.layout.parallel import ParallelLayout
 from kvstore.models import model_names
@@ -45,15 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV geometry (default: llama-3.1-8b)",
     )
     d.add_argument(
-        "--blocks", type=_positive, default=256, help="unique blocks to write (default: 256)"
+        "--blocks", type=positive_int, default=256, help="unique blocks to write (default: 256)"
     )
     d.add_argument(
-        "--block-tokens", type=_positive, default=16, help="tokens per block (default: 16)"
+        "--block-tokens", type=positive_int, default=16, help="tokens per block (default: 16)"
     )
     d.add_argument(
-        "--requests", type=_positive, default=8, help="requests sharing prefixes (default: 8)"
+        "--requests", type=positive_int, default=8, help="requests sharing prefixes (default: 8)"
     )
-    d.add_argument("--threads", type=_positive, default=4, help="I/O threads (default: 4)")
+    d.add_argument("--threads", type=positive_int, default=4, help="I/O threads (default: 4)")
     d.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     d.add_argument(
         "--write-layout",
@@ -71,16 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     admin_commands.add_parsers(sub)
     return parser
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _layout(text: str) -> str:

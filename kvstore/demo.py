@@ -270,6 +270,9 @@ def run(spec: DemoSpec, as_json: bool) -> int:
     """Both phases (the second in a fresh process); prints the table. Exit 0 iff all verified."""
     spec = dataclasses.replace(spec, root=spec.root.absolute())
     root, model, tokens = spec.root, spec.model, spec.tokens
+    for layout in (spec.write_layout, spec.read_layout):
+        if layout:  # refuse an uncertifiable layout before any work, with the reason
+            demo_ranks.certify(model, tokens, layout)
     wrote = write_phase(spec)
     # A new interpreter, as a restarted server: nothing of the writer's state survives.
     cmd = [sys.executable, "-m", "kvstore.demo", "--read-phase", spec.to_json()]

@@ -24,7 +24,14 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.demo_data import demo_identity, fill_block
 from kvstore.layout.page import gather_blocks, scatter_blocks
-from kvstore.layout.parallel import LocalForm, ParallelLayout, RankCoord, RankMapping, map_rank
+from kvstore.layout.parallel import (
+    LocalForm,
+    ParallelLayout,
+    RankCoord,
+    RankMapping,
+    map_rank,
+    verify_tiling,
+)
 from kvstore.models import load_model
 from kvstore.rank_io import RankIO, model_group_geometry
 from kvstore.store.group_store import GroupStore
@@ -50,6 +57,15 @@ class RankTask:
 def make_pool(world_size: int) -> Pool:
     """One process per rank (spawned: nothing inherited, as separate GPU workers would be)."""
     return mp.get_context("spawn").Pool(world_size)
+
+
+def certify(model: str, tokens: int, layout: str) -> None:
+    """Raise LayoutError naming the reason if ``layout`` cannot map every group of ``model``."""
+    geometry_source = load_model(model)
+    identity = demo_identity(model, tokens)
+    for index in range(len(identity.groups)):
+        geometry = model_group_geometry(geometry_source, identity, index)
+        verify_tiling(geometry, ParallelLayout.parse(layout), FORM)
 
 
 def rank_coords(layout: str) -> list[tuple[int, int, int]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from kvstore.admin import du, gc, ls, rm, verify
 from kvstore.admin.sizes import parse_duration, parse_size
 from kvstore.admin.trash import DEFAULT_GRACE_S
+from kvstore.cli_args import positive_int
 
 COMMANDS = ("ls", "du", "verify", "gc", "rm")
 JSON_HELP = "print JSON for machines instead of the table"
@@ -62,7 +63,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         default=verify.DEFAULT_TMP_AGE_S,
         help="temporary files older than this are orphans (default: 1h)",
     )
-    v.add_argument("--threads", type=_positive, default=4, help="reader threads (default: 4)")
+    v.add_argument("--threads", type=positive_int, default=4, help="reader threads (default: 4)")
     v.add_argument("--json", action="store_true", help=JSON_HELP)
     g = sub.add_parser(
         "gc",
@@ -93,7 +94,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     g.add_argument(
         "--interval", type=_duration, default=10.0, help="seconds between --watch passes (10)"
     )
-    g.add_argument("--max-passes", type=_positive, help="stop --watch after this many passes")
+    g.add_argument("--max-passes", type=positive_int, help="stop --watch after this many passes")
     g.add_argument("--json", action="store_true", help=JSON_HELP)
     r = sub.add_parser(
         "rm",
@@ -137,16 +138,6 @@ def _fraction(text: str) -> float:
         value = -1.0
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
 
 

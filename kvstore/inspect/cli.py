@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.cli_args import positive_int
 from kvstore.errors import KvstoreError
 from kvstore.inspect import block as block_view
 from kvstore.inspect import diff as diff_view
@@ -62,16 +63,6 @@ def _pixels(text: str) -> tuple[int, int]:
     return w, h
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -99,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = command("tree", "prefix trees rebuilt from parent hashes", ns=True)
     t.add_argument("--png", type=Path, help="also draw the forest into this PNG file")
     t.add_argument("--size", type=_pixels, default=(1200, 800), help="PNG size (default 1200x800)")
-    t.add_argument("--top", type=_positive, default=5, help="largest trees listed (default 5)")
+    t.add_argument("--top", type=positive_int, default=5, help="largest trees listed (default 5)")
 
     command("block", "header, checksum of every inner chunk, parent chain", block=True)
 
@@ -143,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("operands", nargs="+", metavar="ARG", help="ROOT NS HASH HASH2 | ROOT ROOT2")
     d.add_argument("--group", type=int, default=0, help="KV-cache group of the blocks (default 0)")
-    d.add_argument("--limit", type=_positive, default=20, help="entries listed per kind (text)")
+    d.add_argument("--limit", type=positive_int, default=20, help="entries listed per kind (text)")
     d.add_argument("--json", action="store_true", help="print one JSON document")
     return parser
 
