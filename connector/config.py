@@ -40,11 +40,6 @@ VLLM_KEYS = frozenset(
     }
 )
 
-# Compression codecs the store can write. Format v1 stores inner chunks raw; compressed
-# namespaces (DESIGN.md section 3) are not implemented yet.
-COMPRESSIONS = ("none",)
-
-
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Everything the kvstore connector reads from ``kv_connector_extra_config``."""
@@ -56,8 +51,6 @@ class ConnectorConfig:
     model_name: str = ""
     # Model revision in the namespace identity. "" = vLLM's --revision ("" when unset).
     model_revision: str = ""
-    # Inner-chunk compression. Only "none" exists in format v1 (raw chunks).
-    compression: str = "none"
     # Scheduler: keys checked per batched existence probe of the shared store.
     probe_batch: int = 256
     # Scheduler: background threads running existence probes and block publishes.
@@ -76,15 +69,9 @@ class ConnectorConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
             raise ConfigError(f"store: expected a StoreConfig, got {self.store!r}")
-        for name in ("model_name", "model_revision", "compression"):
+        for name in ("model_name", "model_revision"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}: expected a string, got {getattr(self, name)!r}")
-        if self.compression not in COMPRESSIONS:
-            raise ConfigError(
-                f"compression: expected one of {list(COMPRESSIONS)} (format v1 stores raw "
-                f"inner chunks; compressed namespaces are not implemented), got "
-                f"{self.compression!r}"
-            )
         for name, low, high in (
             ("probe_batch", 1, 1 << 20),
             ("probe_threads", 1, 64),

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvstore.bench_common import kv_like_block
 from kvstore.config import StoreConfig
 from kvstore.io.fileio import drop_tree_cache as drop_cache
 from kvstore.layout.page import scatter_blocks
@@ -29,7 +30,7 @@ from kvstore.store.page_store import KVStore
 
 BATCH = 32
 FORM = LocalForm(family="hnd", packing="per_layer")
-DEFAULT_PAIRS = ("tp=1:tp=2", "tp=1:tp=4", "tp=1:tp=8", "tp=4:tp=1", "tp=4:tp=2,pp=2")
+DEFAULT_PAIRS = ("tp=4:tp=1", "tp=4:tp=2", "tp=4:tp=8", "tp=4:pp=2", "tp=4:tp=2,pp=2")
 
 
 def _hashes(tag: str, n: int) -> list[bytes]:
@@ -109,9 +110,16 @@ def cross_layout(
     with KVStore(StoreConfig(root=base, io_threads=threads)) as store:
         group = store.namespace(identity).group(0)
         count = max(BATCH, int(gib * 2**30) // group.layout.block_nbytes)
-        gen = torch.Generator().manual_seed(0)
-        canonical = torch.randint(
-            0, 256, (16, group.layout.block_nbytes), dtype=torch.uint8, generator=gen
+        spec = group.spec
+        canonical = torch.stack(
+            [
+                torch.from_numpy(
+                    kv_like_block(
+                        spec.num_kv_heads, spec.num_layers, block_tokens, spec.head_dim, s
+                    )
+                )
+                for s in range(4)
+            ]
         )
         written: dict[str, list[bytes]] = {}
         for layout in sorted({part for pair in pairs for part in pair.split(":")}):
@@ -120,11 +128,13 @@ def cross_layout(
         for pair in pairs:
             write_layout, read_layout = pair.split(":")
             foreign, same = [], []
-            for _ in range(repeat):
-                drop_cache(base)
-                foreign.append(read_with(group, model, read_layout, written[write_layout]))
-                drop_cache(base)
-                same.append(read_with(group, model, read_layout, written[read_layout]))
+            for rep in range(repeat):  # alternate which goes first: drift favours neither
+                for which in ("foreign", "same") if rep % 2 == 0 else ("same", "foreign"):
+                    drop_cache(base)
+                    if which == "foreign":
+                        foreign.append(read_with(group, model, read_layout, written[write_layout]))
+                    else:
+                        same.append(read_with(group, model, read_layout, written[read_layout]))
             f_gbs = sorted(b / s / 1e9 for b, s in foreign)[len(foreign) // 2]
             s_gbs = sorted(b / s / 1e9 for b, s in same)[len(same) // 2]
             rows.append(
@@ -140,3 +150,53 @@ def cross_layout(
             )
     shutil.rmtree(base, ignore_errors=True)
     return rows
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    return "\n".join(
+        f"written at {row['written_at']:<10} read at {row['read_at']:<10}"
+        f" {row['cross_gbs']:>6.2f} GB/s vs same-layout {row['same_layout_gbs']:>6.2f}"
+        f" ({row['ratio_to_same_layout']:.2f}x)"
+        for row in rows
+    )
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| written at | read at | blocks | bytes read per pass (GB) | cross-layout GB/s "
+        "| same-layout GB/s | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['written_at']} | {row['read_at']} | {row['blocks']} | "
+            f"{row['bytes_per_pass'] / 1e9:.2f} | {row['cross_gbs']:.2f} | "
+            f"{row['same_layout_gbs']:.2f} | **{row['ratio_to_same_layout']:.2f}** |"
+        )
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['written_at']}\n-> {r['read_at']}" for r in rows]
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["cross_gbs"] for r in rows], 0.4, label="cross-layout")
+    ax.bar([x + 0.2 for x in xs], [r["same_layout_gbs"] for r in rows], 0.4, label="same layout")
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel("GB/s (aggregate over the reader's ranks)")
+    ax.set_title("Cold reads of blocks written by another parallel layout")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = out_dir / "perf_layouts.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,11 @@ class StoreConfig:
     # with one log line; "on" makes a failing probe an error. Reads are buffered: with several
     # threads they beat O_DIRECT reads on the measured disks.
     direct_io: DirectIO = "auto"
+    # O_DIRECT for whole-chunk reads into page-aligned buffers (when the write probe passed;
+    # anything unaligned is read buffered). Bypasses the page cache: cold reads of large blocks
+    # were up to 2x faster on the reference VM, but repeated ("hot") reads then go to the disk
+    # again instead of the page cache. See docs/performance.md.
+    direct_reads: bool = False
     # Checksum algorithm written into new block headers (readers accept every known one).
     checksum: ChecksumName = "xxh3_64"
     # Verify every inner chunk read against its header checksum. The header itself (magic,
@@ -60,12 +66,18 @@ class StoreConfig:
     # servers of one group share the store, then group read/write (0660/0770; the servers'
     # umask must not mask group bits, e.g. umask 007).
     group_access: bool = False
+    # Compression of inner chunks in namespaces this store creates: "none" (raw chunks at fixed
+    # offsets, the default), "lz4" (blosc lz4 + bit shuffle) or "zstd-<1..9>" (blosc zstd at that
+    # blosc level + bit shuffle); see kvstore/store/compression.py and docs/format.md. An array
+    # keeps the setting it was created with: opening it with another one is an error.
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))  # accept str from callers
         _check_choice("durability", self.durability, Durability)
         _check_choice("direct_io", self.direct_io, DirectIO)
         _check_choice("checksum", self.checksum, ChecksumName)
+        check_compression(self.compression)
         if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool):
             raise ConfigError(f"io_threads: expected an int, got {self.io_threads!r}")
         if not 1 <= self.io_threads <= 256:
@@ -78,7 +90,7 @@ class StoreConfig:
             raise ConfigError(
                 f"access_granularity_s: expected an int >= 0, got {self.access_granularity_s!r}"
             )
-        for name in ("verify_reads", "quarantine", "group_access"):
+        for name in ("verify_reads", "quarantine", "group_access", "direct_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
@@ -147,6 +159,20 @@ class StoreConfig:
                     )
                 values[name] = value
         return cls.from_mapping(values, base=base)
+
+
+# "none", "lz4", or "zstd-" and a blosc compression level 1..9.
+COMPRESSION_NAME = re.compile(r"none|lz4|zstd-[1-9]")
+
+
+def check_compression(value: object) -> str:
+    """``value`` if it names a compression setting, else a :class:`ConfigError`."""
+    if not isinstance(value, str) or not COMPRESSION_NAME.fullmatch(value):
+        raise ConfigError(
+            f"compression: expected 'none', 'lz4' or 'zstd-<level 1..9>' (e.g. 'zstd-1'), "
+            f"got {value!r}"
+        )
+    return value
 
 
 def _check_choice(name: str, value: object, choices_type: Any) -> None:

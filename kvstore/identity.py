@@ -71,6 +71,10 @@ class GroupSpec:
             raise ConfigError(f"group kind: expected full, sliding or mla, got {self.kind!r}")
         if not self.layer_names:
             raise ConfigError("group: expected at least one layer name, got none")
+        if not all(isinstance(name, str) for name in self.layer_names):
+            raise ConfigError(
+                f"group: expected layer names as strings, got {list(self.layer_names)}"
+            )
         if len(set(self.layer_names)) != len(self.layer_names):
             raise ConfigError(f"group: layer names must be unique, got {list(self.layer_names)}")
         if self.kind == "mla":
@@ -131,6 +135,11 @@ class Identity:
     format_version: int = CANONICAL_FORMAT_VERSION  # canonical page format
 
     def __post_init__(self) -> None:
+        for name in ("model", "revision", "kv_dtype", "hash_algo", "hash_seed"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(
+                    f"identity {name}: expected a string, got {getattr(self, name)!r}"
+                )
         dtype_by_name(self.kv_dtype)
         if self.tokens_per_block <= 0:
             raise ConfigError(f"tokens_per_block: expected > 0, got {self.tokens_per_block}")
@@ -157,16 +166,25 @@ class Identity:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Identity:
-        return cls(
-            model=doc["model"],
-            revision=doc.get("revision", ""),
-            kv_dtype=doc["kv_dtype"],
-            tokens_per_block=int(doc["tokens_per_block"]),
-            hash_algo=doc.get("hash_algo", "sha256"),
-            hash_seed=doc.get("hash_seed", ""),
-            format_version=int(doc.get("format_version", CANONICAL_FORMAT_VERSION)),
-            groups=tuple(GroupSpec.from_json(g) for g in doc["groups"]),
-        )
+        """The identity a stored document describes; :class:`ConfigError` for anything that
+        is not one (a damaged or hostile zarr.json fails with this one error type)."""
+        try:
+            return cls(
+                model=doc["model"],
+                revision=doc.get("revision", ""),
+                kv_dtype=doc["kv_dtype"],
+                tokens_per_block=int(doc["tokens_per_block"]),
+                hash_algo=doc.get("hash_algo", "sha256"),
+                hash_seed=doc.get("hash_seed", ""),
+                format_version=int(doc.get("format_version", CANONICAL_FORMAT_VERSION)),
+                groups=tuple(GroupSpec.from_json(g) for g in doc["groups"]),
+            )
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise ConfigError(
+                f"identity: expected a kvstore identity document, got {type(exc).__name__}: {exc}"
+            ) from exc
 
     def canonical_json(self) -> bytes:
         """The bytes the digest is taken over: sorted keys, no whitespace, UTF-8."""

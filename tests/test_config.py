@@ -12,7 +12,9 @@ from kvstore.errors import ConfigError
 FIELDS = [
     "access_granularity_s",
     "checksum",
+    "compression",
     "direct_io",
+    "direct_reads",
     "durability",
     "group_access",
     "io_threads",
@@ -34,6 +36,7 @@ def test_defaults() -> None:
     assert config.quarantine is True
     assert config.access_granularity_s == 60
     assert config.group_access is False
+    assert config.compression == "none"
     assert (config.file_mode, config.dir_mode) == (0o600, 0o700)
     assert (StoreConfig(group_access=True).file_mode, StoreConfig(group_access=True).dir_mode) == (
         0o660,

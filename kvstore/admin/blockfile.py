@@ -23,6 +23,7 @@ from kvstore.errors import CorruptBlockError, StoreFormatError
 from kvstore.io.fileio import DEFAULT_FILEIO, read_fully
 from kvstore.keys import hash_coords
 from kvstore.store import format as fmt
+from kvstore.store.compression import Codec, check_compressed_file, compressed_bounds
 from kvstore.store.format import BlockHeader, ShardLayout
 
 # Kinds of a bad block file (verify's finding kinds).
@@ -56,19 +57,32 @@ def read_header(path: str) -> BlockHeader:
 
 
 def check_block_file(
-    path: str, layout: ShardLayout, namespace_digest: bytes, group: int, hi: int, lo: int
+    path: str,
+    layout: ShardLayout,
+    namespace_digest: bytes,
+    group: int,
+    hi: int,
+    lo: int,
+    compression: str = "none",
 ) -> BlockFault | None:
     """Read the whole file with one vectored read and check everything a reader would.
 
     Size, header (magic, version, crc), hash coordinates = the path's ``(hi, lo)``, namespace
     digest and group = where it lies, geometry = the array's, the sharding index, and the
     checksum of every inner chunk. None when the block is intact. ``OSError`` propagates
-    (FileNotFoundError: it vanished while we looked).
+    (FileNotFoundError: it vanished while we looked). ``compression``: the array's setting;
+    compressed blocks are checked by :func:`~kvstore.store.compression.check_compressed_file`.
     """
+    codec = Codec.for_name(compression, layout.itemsize)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
-        if size < layout.file_nbytes:
+        if codec is not None:
+            low, high = compressed_bounds(layout)
+            if not low <= size <= high:
+                kind = TRUNCATED if size < low else OVERSIZED
+                return BlockFault(kind, f"file size: expected {low}..{high}, got {size}")
+        elif size < layout.file_nbytes:
             return BlockFault(TRUNCATED, f"file size: expected {layout.file_nbytes}, got {size}")
         if size > layout.file_nbytes:
             return BlockFault(OVERSIZED, f"file size: expected {layout.file_nbytes}, got {size}")
@@ -78,7 +92,43 @@ def check_block_file(
         os.close(fd)
     if got != size:
         return BlockFault(TRUNCATED, f"short read: expected {size} bytes, got {got}")
+    if codec is not None:
+        return _check_compressed(memoryview(buf), layout, codec, namespace_digest, group, hi, lo)
     return check_block_bytes(memoryview(buf), layout, namespace_digest, group, hi, lo)
+
+
+def _check_compressed(
+    data: memoryview,
+    layout: ShardLayout,
+    codec: Codec,
+    namespace_digest: bytes,
+    group: int,
+    hi: int,
+    lo: int,
+) -> BlockFault | None:
+    """:func:`check_block_file` for a block of a compressed array."""
+    try:
+        header = fmt.decode_header(data[: layout.header_nbytes])
+    except CorruptBlockError as exc:
+        return BlockFault(CORRUPT, str(exc))
+    coords = hash_coords(header.block_hash)
+    if coords != (hi, lo):
+        return BlockFault(
+            MIS_KEYED,
+            f"hash coordinates: expected {hi}/{lo} (the path), header hash "
+            f"{header.block_hash.hex()[:16]}… has {coords[0]}/{coords[1]}",
+        )
+    if header.namespace_digest != namespace_digest or header.group != group:
+        return BlockFault(
+            MISPLACED,
+            f"expected namespace {namespace_digest.hex()[:12]} group {group}, header has "
+            f"{header.namespace_digest.hex()[:12]} group {header.group}",
+        )
+    try:
+        check_compressed_file(data, layout, codec, namespace_digest, group)
+    except (CorruptBlockError, StoreFormatError) as exc:
+        return BlockFault(CORRUPT, str(exc))
+    return None
 
 
 def check_block_bytes(

@@ -26,11 +26,13 @@ import os
 import re
 import stat
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import KvstoreError, StoreFormatError
 from kvstore.identity import Identity
+from kvstore.io import host
 from kvstore.keys import HASH_HI_FANOUT, HASH_LO_BITS
 from kvstore.store import metadata
 from kvstore.store.format import ShardLayout
@@ -39,8 +41,10 @@ from kvstore.store.page_store import QUARANTINE
 
 TRASH = "trash"  # <ns>/trash/: evicted blocks waiting out the grace period
 REMOVED_PREFIX = ".trash-"  # <root>/.trash-<ns>-<time_ns>: a namespace being removed
-DOC_TMP_PREFIX = f".{metadata.ZARR_JSON}.tmp-"  # metadata document being replaced
-PROBE_PREFIX = ".kvstore-probe-"  # the engine's O_DIRECT probe file in the root
+DOC_TMP_PREFIX = metadata.DOC_TMP_PREFIX  # metadata document being replaced
+PROBE_PREFIX = host.PROBE_PREFIX  # the engine's O_DIRECT probe file in the root
+# Threads listing fan-out directories (GlusterFS, 2 cores: 256 listings 2-3x faster with 8).
+SCAN_THREADS = 8
 _DECIMAL = re.compile(r"^(0|[1-9][0-9]*)$")
 _GROUP_DIR = re.compile(r"^g(0|[1-9][0-9]*)$")
 _TRAILING_NS = re.compile(r"-([0-9]+)$")
@@ -58,6 +62,7 @@ class GroupInfo:
     path: Path  # <root>/<ns>/g<k>
     layout: ShardLayout
     leading_dims: int  # array dimensions before the two hash dimensions
+    compression: str = "none"  # the array's inner-chunk compression (its zarr.json)
 
     @property
     def fanout_root(self) -> Path:
@@ -202,10 +207,21 @@ def _namespace_info(path: Path, doc: dict[str, object]) -> NamespaceInfo:
             path=path / f"g{k}",
             layout=ShardLayout.for_group(spec, identity.tokens_per_block, identity.dtype.itemsize),
             leading_dims=metadata.leading_dims(spec),
+            compression=_array_compression(path / f"g{k}"),
         )
         for k, spec in enumerate(identity.groups)
     )
     return NamespaceInfo(path.name, path, identity, groups)
+
+
+def _array_compression(array_path: Path) -> str:
+    """The compression an array's zarr.json records; "none" when it is missing or unreadable
+    (verify's metadata check reports that array separately)."""
+    try:
+        doc = metadata.read_document(array_path)
+        return "none" if doc is None else metadata.array_compression(doc, array_path)
+    except StoreFormatError:
+        return "none"
 
 
 def scan_store(
@@ -261,7 +277,7 @@ def _scan_namespace(
     groups = {f"g{g.index}": g for g in ns.groups}
     for entry in _scandir(ns.path):
         name = entry.name
-        if name == metadata.ZARR_JSON or name in groups:
+        if name == metadata.ZARR_JSON or (name in groups and not entry.is_symlink()):
             continue
         st = _lstat(entry)
         if st is None:
@@ -297,8 +313,10 @@ def _scan_group(
         expected_child[str(level)] = "0"
         level = level / "0"
     for directory, child in expected_child.items():
+        if Path(directory).is_symlink():
+            return  # reported as foreign by its parent's listing; never scanned through
         for entry in _scandir(directory):
-            if entry.name == child or (
+            if (entry.name == child and not entry.is_symlink()) or (
                 directory == str(group.path)
                 and (entry.name == metadata.ZARR_JSON or entry.name.startswith(DOC_TMP_PREFIX))
             ):
@@ -307,26 +325,43 @@ def _scan_group(
             if st is not None:
                 scan.foreign.append(_foreign(entry.path, ns.name, group.index, st))
     fanout = str(group.fanout_root)
+    if Path(fanout).is_symlink():
+        return
     valid_hi = {str(hi) for hi in range(HASH_HI_FANOUT)}
     for entry in _scandir(fanout):
         if entry.name not in valid_hi or not entry.is_dir(follow_symlinks=False):
             st = _lstat(entry)
             if st is not None:
                 scan.foreign.append(_foreign(entry.path, ns.name, group.index, st))
-    for hi in range(HASH_HI_FANOUT):
-        _scan_fanout(ns, group, hi, f"{fanout}{os.sep}{hi}", scan)
-        if on_dir is not None:
-            on_dir()
+    directories = [f"{fanout}{os.sep}{hi}" for hi in range(HASH_HI_FANOUT)]
+    # On a shared file system every listing and stat is a network round trip: list the fan-out
+    # directories on threads (merged in order: the scan is exactly what a serial one finds).
+    with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="kvstore-scan") as pool:
+        for hi, listed in enumerate(pool.map(_list_with_stats, directories)):
+            _scan_fanout(ns, group, hi, listed, scan)
+            if on_dir is not None:
+                on_dir()
+
+
+def _list_with_stats(directory: str) -> list[tuple[os.DirEntry[str], os.stat_result]]:
+    """The entries of ``directory`` with their lstat (entries gone meanwhile left out)."""
+    listed = []
+    for entry in _scandir(directory):
+        st = _lstat(entry)
+        if st is not None:
+            listed.append((entry, st))
+    return listed
 
 
 def _scan_fanout(
-    ns: NamespaceInfo, group: GroupInfo, hi: int, directory: str, scan: StoreScan
+    ns: NamespaceInfo,
+    group: GroupInfo,
+    hi: int,
+    listed: list[tuple[os.DirEntry[str], os.stat_result]],
+    scan: StoreScan,
 ) -> None:
-    for entry in _scandir(directory):
+    for entry, st in listed:
         name = entry.name
-        st = _lstat(entry)
-        if st is None:
-            continue
         if not stat.S_ISREG(st.st_mode):
             scan.foreign.append(_foreign(entry.path, ns.name, group.index, st))
             continue

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -95,8 +96,11 @@ def delete_held(entries: Iterable[HeldFile], *, dry_run: bool = False) -> Emptie
 def _move(path: str, directory: Path, name: str) -> str | None:
     target = directory / name
     try:
+        # The namespace's own permission bits (owner-only unless the store is group-shared):
+        # never parents=True, that would resurrect a removed namespace.
+        mode = stat.S_IMODE(directory.parent.stat().st_mode)
         with contextlib.suppress(FileExistsError):
-            directory.mkdir()  # never parents=True: that would resurrect a removed namespace
+            directory.mkdir(mode)
         Path(path).rename(target)
     except FileNotFoundError:
         return None  # gone already (another gc, a reader's quarantine, rm of the namespace)

@@ -159,7 +159,13 @@ def _check_blocks(
         group = ns.groups[block.group]
         try:
             return check_block_file(
-                block.path, group.layout, ns.digest, group.index, block.hash_hi, block.hash_lo
+                block.path,
+                group.layout,
+                ns.digest,
+                group.index,
+                block.hash_hi,
+                block.hash_lo,
+                group.compression,
             )
         except FileNotFoundError as exc:
             return exc
@@ -200,7 +206,9 @@ def _check_metadata(namespaces: Sequence[NamespaceInfo], options: VerifyOptions)
     findings = []
     for ns in namespaces:
         for group in ns.groups:
-            expected = json.loads(metadata.array_document(ns.identity, group.index))
+            expected = json.loads(
+                metadata.array_document(ns.identity, group.index, group.compression)
+            )
             try:
                 got = metadata.read_document(group.path)
             except StoreFormatError as exc:

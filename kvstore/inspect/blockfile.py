@@ -24,6 +24,7 @@ from kvstore.errors import CorruptBlockError, StoreFormatError
 from kvstore.inspect.source import GroupView, InspectError
 from kvstore.keys import hash_coords
 from kvstore.store import format as fmt
+from kvstore.store.compression import Codec, compressed_bounds, decode_index
 from kvstore.store.format import BlockHeader
 
 
@@ -107,6 +108,9 @@ def check_block(
     if any(not 0 <= c < layout.num_chunks for c in wanted):
         raise InspectError(f"chunk numbers: expected 0..{layout.num_chunks - 1}, got {wanted}")
     data = np.zeros(len(wanted) * layout.chunk_nbytes, dtype=np.uint8) if want_data else None
+    codec = Codec.for_name(group.compression, layout.itemsize)
+    if codec is not None:
+        return _check_compressed(group, path, wanted, codec, expect_hash, data), data
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
@@ -156,12 +160,74 @@ def check_block(
     return BlockCheck(path, size, header, tuple(problems), tuple(states)), data
 
 
+def _check_compressed(
+    group: GroupView,
+    path: Path,
+    wanted: list[int],
+    codec: Codec,
+    expect_hash: bytes | None,
+    data: np.ndarray | None,
+) -> BlockCheck:
+    """:func:`check_block` for a block of a compressed array (read whole; chunks decoded into
+    ``data`` when it is given and their stored bytes verify)."""
+    layout = group.layout
+    low, high = compressed_bounds(layout)
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(high)
+    except OSError as exc:
+        reason = "missing (no such file)" if isinstance(exc, FileNotFoundError) else str(exc)
+        missing = tuple(_unreadable(group, c) for c in wanted)
+        return BlockCheck(path, -1, None, (f"cannot open: {reason}",), missing)
+    problems: list[str] = []
+    if not low <= size <= high:
+        problems.append(f"file size: expected {low}..{high} bytes (compressed), got {size}")
+    header = _decode(group, path, raw[: layout.header_nbytes], expect_hash, problems, size)
+    offsets: np.ndarray | None = None
+    if len(raw) == size and size >= layout.index_nbytes:
+        try:
+            offsets = decode_index(memoryview(raw)[size - layout.index_nbytes :], layout, size)
+        except CorruptBlockError as exc:
+            problems.append(str(exc))
+    slots: np.ndarray | None = None
+    checksum = None
+    if header is not None and len(raw) >= fmt.checksum_slot_offset(layout.num_chunks):
+        slots = fmt.decode_checksums(raw, layout.num_chunks)
+        try:
+            checksum = checksum_function(header.checksum_algo)
+        except StoreFormatError as exc:
+            problems.append(str(exc))
+    states: list[ChunkCheck] = []
+    size_c = layout.chunk_nbytes
+    for i, c in enumerate(wanted):
+        head, layer = chunk_head_layer(group, c)
+        stored_sum = int(slots[c]) if slots is not None else None
+        if offsets is None or checksum is None or stored_sum is None:
+            states.append(ChunkCheck(c, head, layer, ChunkState.UNVERIFIED, stored_sum, None))
+            continue
+        stored = memoryview(raw)[int(offsets[c]) : int(offsets[c + 1])]
+        computed = int(checksum(stored))
+        if stored_sum == 0:
+            state = ChunkState.UNWRITTEN
+        else:
+            state = ChunkState.OK if computed == stored_sum else ChunkState.MISMATCH
+        if state is ChunkState.OK and data is not None:
+            try:
+                codec.decompress_into(stored, data[i * size_c : (i + 1) * size_c].data)
+            except CorruptBlockError as exc:
+                problems.append(f"inner chunk {c}: {exc}")
+        states.append(ChunkCheck(c, head, layer, state, stored_sum, computed))
+    return BlockCheck(path, size, header, tuple(problems), tuple(states))
+
+
 def _decode(
     group: GroupView,
     path: Path,
     buf: bytes,
     expect_hash: bytes | None,
     problems: list[str],
+    compressed_file_nbytes: int | None = None,
 ) -> BlockHeader | None:
     """Decode and check the header; problems are appended, never raised."""
     try:
@@ -170,7 +236,14 @@ def _decode(
         problems.append(f"header: {exc}")
         return None
     try:
-        fmt.check_header(header, group.layout, group.digest, group.index, header.block_hash)
+        fmt.check_header(
+            header,
+            group.layout,
+            group.digest,
+            group.index,
+            header.block_hash,
+            compressed_file_nbytes=compressed_file_nbytes,
+        )
     except CorruptBlockError as exc:
         problems.append(str(exc))
     where = (int(path.parent.name), int(path.name)) if path.name.isdigit() else None
@@ -202,9 +275,11 @@ def quick_header(group: GroupView, path: Path) -> tuple[BlockHeader | None, str 
     try:
         with path.open("rb") as f:
             buf = f.read(fmt.HEADER_FIXED_NBYTES)
+            size = os.fstat(f.fileno()).st_size
     except OSError as exc:
         return None, f"cannot read: {exc}"
-    header = _decode(group, path, buf, None, problems)
+    compressed = size if group.compression != "none" else None
+    header = _decode(group, path, buf, None, problems, compressed)
     if problems:
         return None, problems[0]
     return header, None

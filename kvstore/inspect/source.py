@@ -68,6 +68,7 @@ class GroupView:
     path: Path  # the array directory
     leading_dims: int  # dimensions before the two hash dimensions
     problems: tuple[str, ...] = ()  # array document missing or not the one format v1 prescribes
+    compression: str = "none"  # the array's inner-chunk compression (its zarr.json)
 
     @property
     def is_mla(self) -> bool:
@@ -236,7 +237,14 @@ def _group_view(identity: Identity, ns_path: Path, index: int) -> GroupView:
         doc, problems = None, [str(exc)]
     if doc is None and not problems:
         problems.append(f"{array_path}/zarr.json: expected the array document, found none")
-    elif doc is not None and doc != json.loads(metadata.array_document(identity, index)):
+    compression = "none"
+    if doc is not None:
+        try:
+            compression = metadata.array_compression(doc, array_path)
+        except StoreFormatError as exc:
+            problems.append(str(exc))
+    expected = json.loads(metadata.array_document(identity, index, compression))
+    if doc is not None and doc != expected:
         problems.append(
             f"{array_path}/zarr.json: expected the format v1 array document of this identity, "
             "got a different one"
@@ -252,4 +260,5 @@ def _group_view(identity: Identity, ns_path: Path, index: int) -> GroupView:
         path=array_path,
         leading_dims=metadata.leading_dims(spec),
         problems=tuple(problems),
+        compression=compression,
     )

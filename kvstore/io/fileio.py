@@ -8,6 +8,8 @@ thin, allocation-free layer over ``os``; ``pwritev``/``preadv`` release the GIL.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import os
 from collections.abc import Sequence
@@ -16,6 +18,58 @@ from typing import Any
 # Linux's IOV_MAX; os.sysconf may not know it everywhere.
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+_RENAME_NOREPLACE = 1  # linux/fs.h
+_AT_FDCWD = -100
+# errnos meaning "this file system (or kernel) lacks the operation", not "it failed"
+_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
+def _load_renameat2() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()
+
+
+def rename_noreplace(src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists (then FileExistsError, ``src`` kept).
+
+    Atomic wherever the file system offers an atomic primitive:
+
+    1. ``renameat2(RENAME_NOREPLACE)``: local file systems (ext4, xfs, btrfs, tmpfs).
+    2. Where that flag is refused (EINVAL: FUSE file systems such as GlusterFS, NFS),
+       ``link(src, dst)`` - which fails with EEXIST on the server, atomically - then
+       ``unlink(src)`` (a crash in between leaves a second name, swept as an orphan temp).
+    3. Where hard links are missing too, an existence check then ``rename``: two racing
+       publishers may both succeed, the later copy replacing the earlier (the same block,
+       verified on every read; a reader of the replaced copy on another node may miss).
+    """
+    if _renameat2 is not None:
+        paths = (os.fsencode(src), os.fsencode(dst))
+        if _renameat2(_AT_FDCWD, paths[0], _AT_FDCWD, paths[1], _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in _UNSUPPORTED:
+            raise OSError(err, os.strerror(err), src, None, dst)
+    try:
+        os.link(src, dst)
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(src)
+        return
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), src, None, dst)
+    os.rename(src, dst)
 
 
 class FileIO:
@@ -58,7 +112,15 @@ class FileIO:
             os.close(fd)
 
     def rename(self, src: str, dst: str) -> None:
-        os.rename(src, dst)
+        """Atomically give ``src`` the name ``dst``; ``dst`` must not exist (FileExistsError).
+
+        kvstore renames only to publish a new name (a block, a metadata document, a
+        quarantined file) and never replaces one: on a shared file system a name replaced
+        under a reader on another node fails that reader's reads (GlusterFS: ENOENT on its
+        open descriptor), and two nodes publishing the same block must leave one copy rather
+        than swap it under readers. See :func:`rename_noreplace`.
+        """
+        rename_noreplace(src, dst)
 
     def unlink(self, path: str) -> None:
         os.unlink(path)
@@ -70,9 +132,12 @@ class FileIO:
             return False
         return True
 
-    def makedirs(self, path: str, mode: int = 0o700) -> None:
+    def makedirs(self, path: str, mode: int = 0o700) -> list[str]:
         """Create ``path`` and missing parents, each with ``mode`` (os.makedirs gives parents
-        the umask's default, which would leave intermediate directories world-readable)."""
+        the umask's default, which would leave intermediate directories world-readable).
+
+        Returns the directories this call created, outermost first (see :func:`sync_parents`).
+        """
         missing = []
         current = os.path.abspath(path)
         while not os.path.isdir(current):
@@ -81,12 +146,15 @@ class FileIO:
             if parent == current:
                 break
             current = parent
+        created = []
         for directory in reversed(missing):
             try:
                 os.mkdir(directory, mode)
+                created.append(directory)
             except FileExistsError:
                 if not os.path.isdir(directory):
                     raise
+        return created
 
     def drop_cache(self, fd: int) -> None:
         """Ask the kernel to drop this file's clean cached pages (benchmarks' cold reads)."""
@@ -94,6 +162,16 @@ class FileIO:
 
 
 DEFAULT_FILEIO = FileIO()
+
+
+def sync_parents(fio: FileIO, created: Sequence[str]) -> None:
+    """fsync the parent of every directory in ``created`` (what :meth:`FileIO.makedirs` made).
+
+    A new directory's name lives in its parent: until the parent is synced a power loss may
+    drop it, and every file below with it, however well those files were synced.
+    """
+    for parent in sorted({os.path.dirname(d) for d in created}):
+        fio.fsync_dir(parent)
 
 
 def drop_tree_cache(directory: str | os.PathLike[str]) -> None:

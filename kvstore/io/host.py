@@ -4,7 +4,8 @@ Contract of an I/O engine (the GPU engines implement the same):
 
 * :meth:`HostEngine.map` runs a function over many items on the I/O threads and returns the
   results in order (exceptions are returned, not raised, so one bad block never fails a batch).
-* :meth:`HostEngine.write_file` writes byte segments into a block file at fixed offsets. With
+* :meth:`HostEngine.write_file` writes byte segments into a block file at fixed offsets, in
+  the order given (so a writer killed half way has written a prefix of the list). With
   ``exclusive=True`` the file is new (``O_EXCL``) and the segments tile ``[0, file_nbytes)``;
   otherwise the file may already hold other writers' segments. It is then truncated to
   ``file_nbytes`` and, when the store is durable, fdatasync'ed before the call returns.
@@ -44,6 +45,7 @@ log = logging.getLogger("kvstore.io")
 T = TypeVar("T")
 R = TypeVar("R")
 Segment = tuple[int, memoryview]  # (file offset, bytes)
+PROBE_PREFIX = ".kvstore-probe-"  # the O_DIRECT probe file in a store root (crashes leave it)
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def probe_direct_io(directory: Path, mode: str, fio: FileIO = DEFAULT_FILEIO) ->
     if not O_DIRECT:
         result = DirectIOProbe(False, "O_DIRECT is not available on this platform")
     else:
-        probe = directory / f".kvstore-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        probe = directory / f"{PROBE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         buffer = aligned_buffer(ALIGN)
         try:
             fd = fio.open(str(probe), os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_DIRECT)
@@ -215,6 +217,7 @@ class HostEngine:
         touch_if_older_than_ns: int = 0,
         *,
         allow_trailer: bool = False,
+        direct: bool = False,
     ) -> None:
         """Fill ``segments`` from published file ``path`` of expected size ``file_nbytes``.
 
@@ -222,10 +225,11 @@ class HostEngine:
         if its size is wrong (``allow_trailer``: shorter) or a read comes back short. If the
         file's mtime is older than ``touch_if_older_than_ns`` it is set to now after the read:
         mtime is the block's last use, which eviction orders by (atime cannot be trusted under
-        relatime/noatime). A read-only store simply keeps its old times.
+        relatime/noatime). A read-only store simply keeps its old times. ``direct``: open with
+        O_DIRECT (every segment must then be 4 KiB aligned in offset, length and address).
         """
         try:
-            fd = self.fio.open(path, os.O_RDONLY)
+            fd = self.fio.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
         except FileNotFoundError:
             raise BlockMissingError(path) from None
         try:

@@ -61,6 +61,9 @@ _CRC = struct.Struct("<II")
 assert _FIXED.size == 168
 assert _FIXED.size + _CRC.size == HEADER_FIXED_NBYTES
 MAX_HASH = 32
+# Header flag: the inner chunks are compressed with the array's codec and packed back to back
+# (see kvstore/store/compression.py); chunk_stride is then 0 and file_nbytes the actual size.
+FLAG_COMPRESSED = 1
 
 
 def align_up(n: int, alignment: int = ALIGN) -> int:
@@ -177,6 +180,7 @@ class BlockHeader:
     file_nbytes: int
     created_ns: int
     header_nbytes: int
+    flags: int = 0
 
 
 def encode_fixed_header(
@@ -187,13 +191,20 @@ def encode_fixed_header(
     parent_hash: bytes | None,
     checksum_algo: int,
     created_ns: int,
+    *,
+    compressed_file_nbytes: int | None = None,
 ) -> bytes:
-    """The fixed part of a header (``HEADER_FIXED_NBYTES`` bytes), crc included."""
+    """The fixed part of a header (``HEADER_FIXED_NBYTES`` bytes), crc included.
+
+    ``compressed_file_nbytes``: the block's chunks are compressed and the file has this size
+    (flag :data:`FLAG_COMPRESSED`, chunk_stride 0).
+    """
     parent = parent_hash or b""
+    compressed = compressed_file_nbytes is not None
     fixed = _FIXED.pack(
         MAGIC,
         FORMAT_VERSION,
-        0,
+        FLAG_COMPRESSED if compressed else 0,
         layout.header_nbytes,
         namespace_digest,
         group,
@@ -206,9 +217,9 @@ def encode_fixed_header(
         layout.tokens,
         layout.num_chunks,
         layout.chunk_nbytes,
-        layout.chunk_stride,
+        0 if compressed else layout.chunk_stride,
         layout.data_offset,
-        layout.file_nbytes,
+        compressed_file_nbytes if compressed else layout.file_nbytes,
         created_ns,
     )
     return fixed + _CRC.pack(crc32c(fixed), 0)
@@ -255,13 +266,31 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
         file_nbytes=fields[17],
         created_ns=fields[18],
         header_nbytes=fields[3],
+        flags=fields[2],
     )
 
 
 def check_header(
-    header: BlockHeader, layout: ShardLayout, namespace_digest: bytes, group: int, block_hash: bytes
+    header: BlockHeader,
+    layout: ShardLayout,
+    namespace_digest: bytes,
+    group: int,
+    block_hash: bytes,
+    *,
+    compressed_file_nbytes: int | None = None,
 ) -> None:
-    """Raise :class:`CorruptBlockError` unless ``header`` belongs exactly where it was found."""
+    """Raise :class:`CorruptBlockError` unless ``header`` belongs exactly where it was found.
+
+    ``compressed_file_nbytes``: the array compresses its chunks and the file has this size; the
+    header must then carry :data:`FLAG_COMPRESSED`, chunk_stride 0 and that size.
+    """
+    compressed = compressed_file_nbytes is not None
+    want_flags = FLAG_COMPRESSED if compressed else 0
+    if header.flags != want_flags:
+        raise CorruptBlockError(
+            f"header flags: expected {want_flags} ({'compressed' if compressed else 'raw'} "
+            f"chunks, as the array says), got {header.flags}"
+        )
     if header.block_hash != block_hash:
         raise CorruptBlockError(
             f"mis-keyed block: expected hash {block_hash.hex()}, "
@@ -278,9 +307,9 @@ def check_header(
         layout.tokens,
         layout.num_chunks,
         layout.chunk_nbytes,
-        layout.chunk_stride,
+        0 if compressed else layout.chunk_stride,
         layout.data_offset,
-        layout.file_nbytes,
+        compressed_file_nbytes if compressed else layout.file_nbytes,
         layout.header_nbytes,
     )
     got = (

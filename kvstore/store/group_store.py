@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -35,9 +36,12 @@ import numpy as np
 from kvstore.checksum import checksum_chunks, checksum_function, checksum_id
 from kvstore.errors import BlockMissingError, CorruptBlockError, KvstoreError, StoreFormatError
 from kvstore.identity import GroupSpec
+from kvstore.io.buffers import ThreadStaging, is_aligned
+from kvstore.io.fileio import sync_parents
 from kvstore.io.host import HostEngine, Segment
 from kvstore.keys import check_hash, chunk_key
 from kvstore.store import format as fmt
+from kvstore.store.compression import Codec, CompressedShards
 from kvstore.store.format import BlockHeader, ShardLayout
 from kvstore.store.lookup import longest_present_prefix
 from kvstore.store.types import (
@@ -56,6 +60,7 @@ from kvstore.store.types import (
 log = logging.getLogger("kvstore")
 
 TMP_MARK = ".tmp-"
+SLOW_PROBE_S = 50e-6  # an existence probe slower than this is a network round trip
 MAX_RANGE_WRITERS = 4096  # completion-marker bytes a pending file may carry past its end
 _ZEROS = memoryview(bytes(fmt.ALIGN))
 
@@ -90,6 +95,7 @@ class GroupStore:
         verify_reads: bool,
         quarantine_dir: Path | None,
         read_only: bool = False,
+        compression: str = "none",
     ) -> None:
         self.namespace = namespace
         self.namespace_digest = namespace_digest
@@ -107,6 +113,13 @@ class GroupStore:
         self._fio = engine.fio
         self._array_prefix = str(array_path) + os.sep
         self._access_granularity_ns = engine.config.access_granularity_s * 1_000_000_000
+        # O_DIRECT reads of aligned requests (config direct_reads, where O_DIRECT works).
+        self._direct_reads = engine.config.direct_reads and engine.direct.enabled
+        self._header_staging = ThreadStaging()
+        # The array's inner-chunk compression (its zarr.json decides); None: raw chunks.
+        self.compression = compression
+        codec = Codec.for_name(compression, layout.itemsize)
+        self._compressed = CompressedShards(self, codec) if codec is not None else None
 
     # -- naming ------------------------------------------------------------------------------
 
@@ -121,29 +134,42 @@ class GroupStore:
     # -- lookup ------------------------------------------------------------------------------
 
     def contains(self, hashes: Sequence[bytes]) -> list[bool]:
-        """For each hash, whether a published block exists (no content check)."""
-        exists = self._fio.exists
-        found = [exists(self.path_of(check_hash(h))) for h in hashes]
-        self.stats.add(probes=len(hashes))
-        return found
+        """For each hash, whether a published block exists (no content check).
+
+        A probe that fails with an I/O error (EIO, EACCES, ...) answers "absent": a lookup is a
+        cache question, and a miss only costs recompute. One log line per call.
+
+        When the first probes are slow (a shared file system: each one a network round trip,
+        a FUSE or NFS LOOKUP) the rest run on the I/O threads, overlapping up to
+        ``io_threads`` round trips (measured on GlusterFS: docs/shared-filesystems.md); on a
+        local disk (a few microseconds each) they stay on this thread.
+        """
+        probe = _Probe(self)
+        checked = [check_hash(h) for h in hashes]
+        started = time.perf_counter()
+        found: list[bool | BaseException] = [probe(h) for h in checked[:2]]
+        rest = checked[2:]
+        if len(rest) > 1 and time.perf_counter() - started > len(found) * SLOW_PROBE_S:
+            found += self.engine.map(probe, rest)
+        else:
+            found += [probe(h) for h in rest]
+        probe.done(lookups=0)
+        for result in found:
+            if isinstance(result, BaseException):  # not an I/O error (those are misses): a bug
+                raise result
+        return [bool(f) for f in found]
 
     def longest_prefix(self, chain: Sequence[bytes]) -> int:
         """Number of leading blocks of ``chain`` (hashes of consecutive blocks) present.
 
         Binary search over existence probes, relying on chains being prefix-closed (eviction
         removes leaves first), then verified: positions spaced exponentially below the answer
-        are probed too, and a hole found there shortens the answer. O(log n) probes.
+        are probed too, and a hole found there shortens the answer. O(log n) probes. A probe
+        that fails with an I/O error answers "absent", as in :meth:`contains`.
         """
-        exists = self._fio.exists
-        probes = 0
-
-        def present(i: int) -> bool:
-            nonlocal probes
-            probes += 1
-            return exists(self.path_of(check_hash(chain[i])))
-
-        result = longest_present_prefix(len(chain), present)
-        self.stats.add(lookups=1, probes=probes)
+        probe = _Probe(self)
+        result = longest_present_prefix(len(chain), lambda i: probe(check_hash(chain[i])))
+        probe.done(lookups=1)
         return result
 
     # -- whole-block writes ------------------------------------------------------------------
@@ -163,6 +189,8 @@ class GroupStore:
         data = _byte_view(req.data)
         if len(data) != layout.block_nbytes:
             raise KvstoreError(f"block data: expected {layout.block_nbytes} bytes, got {len(data)}")
+        if self._compressed is not None:
+            return self._write_compressed(block_hash, req.parent_hash, data, final)
         sums = checksum_chunks(self._checksum_algo, data, layout.chunk_nbytes, layout.num_chunks)
         header = self._header(block_hash, req.parent_hash, time.time_ns(), sums)
         segments: list[Segment] = [(0, memoryview(header))]
@@ -178,6 +206,28 @@ class GroupStore:
         tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:16]}"
         try:
             self._write_with_dir(tmp, segments, exclusive=True)
+            self._fio.rename(tmp, final)
+        except BaseException:
+            self._remove_quietly(tmp)
+            raise
+        return WriteStatus.WRITTEN, os.path.dirname(final)
+
+    def _write_compressed(
+        self, block_hash: bytes, parent: bytes | None, data: memoryview, final: str
+    ) -> tuple[WriteStatus, str | None]:
+        """:meth:`_write_one` for a compressed array: the whole packed file, published alike."""
+        assert self._compressed is not None
+        segments, file_nbytes = self._compressed.segments(
+            block_hash,
+            check_hash(parent) if parent is not None else None,
+            time.time_ns(),
+            self._checksum_algo,
+            data,
+            self.layout.chunk_nbytes,
+        )
+        tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:16]}"
+        try:
+            self._write_with_dir(tmp, segments, exclusive=True, file_nbytes=file_nbytes)
             self._fio.rename(tmp, final)
         except BaseException:
             self._remove_quietly(tmp)
@@ -207,22 +257,33 @@ class GroupStore:
             created_ns,
         )
 
-    def _write_with_dir(self, path: str, segments: Sequence[Segment], *, exclusive: bool) -> None:
+    def _write_with_dir(
+        self,
+        path: str,
+        segments: Sequence[Segment],
+        *,
+        exclusive: bool,
+        file_nbytes: int | None = None,
+    ) -> None:
         """engine.write_file, recreating a lost fan-out directory of a live array.
 
         If the array itself is gone (``kvstore rm`` removed the namespace while this server
         ran), the write fails instead of resurrecting a namespace without its metadata.
+        ``file_nbytes``: the file's size when it is not the raw layout's (compressed blocks).
         """
+        size = self.layout.file_nbytes if file_nbytes is None else file_nbytes
         try:
-            self.engine.write_file(path, segments, self.layout.file_nbytes, exclusive=exclusive)
+            self.engine.write_file(path, segments, size, exclusive=exclusive)
         except FileNotFoundError:
             if not self._fio.exists(self._array_prefix + "zarr.json"):
                 raise KvstoreError(
                     f"namespace {self.namespace} was removed from the store (no {self.array_path}"
                     "/zarr.json); reopen the store to recreate it"
                 ) from None
-            self._fio.makedirs(os.path.dirname(path), self.engine.config.dir_mode)
-            self.engine.write_file(path, segments, self.layout.file_nbytes, exclusive=exclusive)
+            created = self._fio.makedirs(os.path.dirname(path), self.engine.config.dir_mode)
+            if self.engine.config.durable:
+                sync_parents(self._fio, created)
+            self.engine.write_file(path, segments, size, exclusive=exclusive)
 
     def _finish_writes(
         self,
@@ -234,6 +295,11 @@ class GroupStore:
         dirs: set[str] = set()
         failures: list[str] = []
         for result, block_hash in zip(results, hashes, strict=True):
+            if isinstance(result, FileExistsError) and result.filename2 == self.path_of(block_hash):
+                # The publishing rename found the block there: another process or node
+                # published it since our existence check (FileIO.rename never replaces).
+                out.append(WriteResult(WriteStatus.EXISTS))
+                continue
             if isinstance(result, BaseException):
                 message = f"{type(result).__name__}: {result}"
                 failures.append(f"{_short(block_hash)} ({message})")
@@ -330,10 +396,13 @@ class GroupStore:
         sums = checksum_chunks(pending.checksum_algo, data, layout.chunk_nbytes, len(chunks))
         segments = self._shared_segments(pending)
         segments.extend(self._chunk_segments(chunks, data))
+        segments.sort(key=lambda s: s[0])
+        # Checksum slots last (segments are written in list order): a filled slot tells the
+        # committer the chunk is complete, so a writer killed mid-write must not leave a slot
+        # in front of the chunk's bytes.
         for run_start, run_end in _consecutive_runs(chunks):
             slots = fmt.encode_checksums(sums[run_start:run_end])
             segments.append((fmt.checksum_slot_offset(chunks[run_start]), memoryview(slots)))
-        segments.sort(key=lambda s: s[0])
         self._write_with_dir(self.temp_path(pending), segments, exclusive=False)
 
     def write_ranges(self, writes: Sequence[RangeWrite]) -> list[BaseException | None]:
@@ -404,6 +473,10 @@ class GroupStore:
                 self._remove_quietly(tmp)
                 return WriteStatus.EXISTS, None
             slot_writes = self._complete_checksums(tmp, pending, chunks, range_writers)
+            if self._compressed is not None:  # writers wrote raw chunks: compress, then publish
+                packed = f"{final}{TMP_MARK}{uuid.uuid4().hex[:16]}"
+                self._compressed.publish_from_raw(tmp, packed, final, pending, slot_writes)
+                return WriteStatus.WRITTEN, os.path.dirname(final)
             self.engine.finish_file(tmp, self.layout.file_nbytes, slot_writes)
             self._fio.rename(tmp, final)
         except BaseException:
@@ -493,24 +566,38 @@ class GroupStore:
     def _read_one(self, req: BlockRead) -> int:
         block_hash = check_hash(req.block_hash)
         layout = self.layout
-        chunks = list(range(layout.num_chunks)) if req.chunks is None else list(req.chunks)
+        whole = req.chunks is None
+        chunks: Sequence[int] = range(layout.num_chunks) if whole else list(req.chunks or ())
         out = _byte_view(req.out)
         if out.readonly:
             raise ValueError("read buffer: expected writable memory, got a read-only buffer")
         need = len(chunks) * layout.chunk_nbytes
         if len(out) < need:
             raise ValueError(f"read buffer: expected at least {need} bytes, got {len(out)}")
-        if any(not 0 <= c < layout.num_chunks for c in chunks):
+        if not whole and any(not 0 <= c < layout.num_chunks for c in chunks):
             raise ValueError(f"chunk numbers: expected 0..{layout.num_chunks - 1}, got {chunks}")
-        header = bytearray(layout.header_nbytes)
-        segments: list[Segment] = [(0, memoryview(header)), *self._chunk_segments(chunks, out)]
-        segments.sort(key=lambda s: s[0])
         touch_before = (
             time.time_ns() - self._access_granularity_ns
             if self._access_granularity_ns and not self.read_only
             else 0
         )
-        self.engine.read_file(self.path_of(block_hash), segments, layout.file_nbytes, touch_before)
+        if self._compressed is not None:
+            path = self.path_of(block_hash)
+            self._compressed.read(path, block_hash, chunks, out, self._verify, touch_before)
+            return need
+        header: bytearray | memoryview
+        if self._direct_reads:  # an aligned header buffer, so the whole read may be O_DIRECT
+            header = self._header_staging.get(layout.header_nbytes)[: layout.header_nbytes].data
+        else:
+            header = bytearray(layout.header_nbytes)
+        segments: list[Segment] = [(0, memoryview(header)), *self._chunk_segments(chunks, out)]
+        segments.sort(key=lambda s: s[0])
+        direct = self._direct_reads and all(
+            offset % fmt.ALIGN == 0 and is_aligned(data) for offset, data in segments
+        )
+        self.engine.read_file(
+            self.path_of(block_hash), segments, layout.file_nbytes, touch_before, direct=direct
+        )
         decoded = fmt.decode_header(header)
         check_header_for(decoded, self, block_hash)
         if self._verify:
@@ -521,6 +608,8 @@ class GroupStore:
         """File segments of ``chunks`` whose bytes lie back to back in ``out`` (runs merged)."""
         layout = self.layout
         size = layout.chunk_nbytes
+        if layout.dense and isinstance(chunks, range) and chunks.step == 1:  # one run (whole)
+            return [(layout.chunk_offset(chunks.start), out[: len(chunks) * size])]
         segments: list[Segment] = []
         i = 0
         while i < len(chunks):
@@ -533,7 +622,7 @@ class GroupStore:
         return segments
 
     def _verify_chunks(
-        self, algo: int, header: bytearray, chunks: Sequence[int], out: memoryview
+        self, algo: int, header: bytearray | memoryview, chunks: Sequence[int], out: memoryview
     ) -> None:
         layout = self.layout
         try:
@@ -542,9 +631,14 @@ class GroupStore:
             raise CorruptBlockError(str(exc)) from None
         slots = fmt.decode_checksums(header, layout.num_chunks)
         size = layout.chunk_nbytes
-        for i, c in enumerate(chunks):
-            if fn(out[i * size : (i + 1) * size]) != slots[c]:
-                raise CorruptBlockError(f"checksum mismatch in inner chunk {c}")
+        sums = np.fromiter(
+            (fn(out[i : i + size]) for i in range(0, len(chunks) * size, size)),
+            dtype=np.uint64,
+            count=len(chunks),
+        )
+        bad = np.flatnonzero(sums != slots[np.asarray(chunks, dtype=np.intp)])
+        if len(bad):
+            raise CorruptBlockError(f"checksum mismatch in inner chunk {chunks[int(bad[0])]}")
 
     def _read_failure(self, exc: BaseException, block_hash: bytes) -> ReadResult:
         if isinstance(exc, BlockMissingError):
@@ -593,6 +687,8 @@ class GroupStore:
     def read_header(self, block_hash: bytes) -> tuple[BlockHeader, np.ndarray]:
         """The verified header and checksum slots of a published block (for tools)."""
         block_hash = check_hash(block_hash)
+        if self._compressed is not None:
+            return self._compressed.read_header(self.path_of(block_hash), block_hash)
         header = bytearray(self.layout.header_nbytes)
         self.engine.read_file(
             self.path_of(block_hash), [(0, memoryview(header))], self.layout.file_nbytes
@@ -635,6 +731,44 @@ class GroupStore:
     def _remove_quietly(self, path: str) -> None:
         with contextlib.suppress(OSError):
             self._fio.unlink(path)
+
+
+class _Probe:
+    """Existence probes of one lookup call: I/O errors are misses, counted and logged once."""
+
+    def __init__(self, group: GroupStore) -> None:
+        self._group = group
+        self._exists = group._fio.exists
+        self.probes = 0
+        self.errors = 0
+        self._first: OSError | None = None
+        self._lock = threading.Lock()  # contains() probes from the I/O threads
+
+    def __call__(self, block_hash: bytes) -> bool:
+        try:
+            found = self._exists(self._group.path_of(block_hash))
+        except OSError as exc:
+            with self._lock:
+                self.errors += 1
+                self._first = self._first or exc
+            found = False
+        with self._lock:
+            self.probes += 1
+        return found
+
+    def done(self, lookups: int) -> None:
+        g = self._group
+        g.stats.add(lookups=lookups, probes=self.probes, read_errors=self.errors)
+        if self._first is not None:
+            log.warning(
+                "kvstore: %d of %d existence probes in %s/g%d failed (first: %s); "
+                "answered as misses",
+                self.errors,
+                self.probes,
+                g.namespace,
+                g.index,
+                self._first,
+            )
 
 
 def check_header_for(header: BlockHeader, group: GroupStore, block_hash: bytes) -> None:

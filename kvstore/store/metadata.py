@@ -15,15 +15,20 @@ from pathlib import Path
 from typing import Any
 
 import zarr
+from zarr.codecs import BloscCodec
 from zarr.storage import MemoryStore
 
+from kvstore.config import COMPRESSION_NAME
 from kvstore.errors import StoreFormatError
 from kvstore.identity import GroupSpec, Identity
-from kvstore.io.fileio import FileIO, write_fully
+from kvstore.io.fileio import FileIO, sync_parents, write_fully
+from kvstore.store.compression import Codec
 from kvstore.store.format import FORMAT_VERSION, ShardLayout
 
 STORE_ATTRS: dict[str, Any] = {"format": "kvstore", "version": FORMAT_VERSION}
 ZARR_JSON = "zarr.json"
+DOC_TMP_PREFIX = f".{ZARR_JSON}.tmp-"  # a document being written (a crash may leave one)
+MAX_DOCUMENT_BYTES = 1 << 20  # real documents are a few KiB (layer names of a large model)
 
 
 def root_document() -> bytes:
@@ -39,8 +44,13 @@ def namespace_document(identity: Identity) -> bytes:
     return _build(lambda st: zarr.open_group(st, mode="w", attributes=attrs))
 
 
-def array_document(identity: Identity, index: int) -> bytes:
-    """The zarr.json of array ``g<index>``: a shard per block, an inner chunk per (head, layer)."""
+def array_document(identity: Identity, index: int, compression: str = "none") -> bytes:
+    """The zarr.json of array ``g<index>``: a shard per block, an inner chunk per (head, layer).
+
+    ``compression`` other than "none" adds the blosc codec after ``bytes`` in the inner chain
+    and names the setting in ``attributes.kvstore.compression`` (see store/compression.py);
+    uncompressed documents are unchanged from format v1.
+    """
     group = identity.groups[index]
     dtype = identity.dtype
     layout = ShardLayout.for_group(group, identity.tokens_per_block, dtype.itemsize)
@@ -57,6 +67,9 @@ def array_document(identity: Identity, index: int) -> bytes:
             "chunk_stride": layout.chunk_stride,
         }
     }
+    codec = Codec.for_name(compression, dtype.itemsize)
+    if codec is not None:
+        attrs["kvstore"]["compression"] = compression
     return _build(
         lambda st: zarr.create_array(
             st,
@@ -64,7 +77,7 @@ def array_document(identity: Identity, index: int) -> bytes:
             chunks=inner,
             shards=shard_shape,
             dtype=dtype.zarr_dtype,
-            compressors=None,
+            compressors=None if codec is None else BloscCodec(**codec.zarr_config()),
             filters=None,
             fill_value=0,
             dimension_names=names,
@@ -113,9 +126,11 @@ def write_document(
     dir_mode: int = 0o700,
 ) -> None:
     """Atomically write ``directory/zarr.json`` (created with its parents if needed)."""
-    fio.makedirs(str(directory), dir_mode)
+    created = fio.makedirs(str(directory), dir_mode)
+    if durable:
+        sync_parents(fio, created)
     final = directory / ZARR_JSON
-    tmp = directory / f".{ZARR_JSON}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    tmp = directory / f"{DOC_TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
     fd = fio.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL, file_mode)
     try:
         try:
@@ -124,7 +139,10 @@ def write_document(
                 fio.fdatasync(fd)
         finally:
             fio.close(fd)
-        fio.rename(str(tmp), str(final))
+        try:
+            fio.rename(str(tmp), str(final))
+        except FileExistsError:  # created meanwhile by another process or node: keep theirs
+            fio.unlink(str(tmp))
     except BaseException:
         with contextlib.suppress(OSError):
             fio.unlink(str(tmp))
@@ -134,17 +152,28 @@ def write_document(
 
 
 def read_document(directory: Path) -> dict[str, Any] | None:
-    """The parsed ``directory/zarr.json``, or None if absent; a format error if unparsable."""
+    """The parsed ``directory/zarr.json``, or None if absent; a format error if unparsable.
+
+    Documents are a few KiB; one larger than :data:`MAX_DOCUMENT_BYTES` is refused unread
+    (a hostile or damaged store must not make its reader allocate what it declares).
+    """
     path = directory / ZARR_JSON
     try:
-        text = path.read_bytes()
+        # O_NOFOLLOW: a zarr.json planted as a symbolic link is refused, not followed.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            text = f.read(MAX_DOCUMENT_BYTES + 1)
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise StoreFormatError(f"{path}: cannot read ({exc})") from exc
+    if len(text) > MAX_DOCUMENT_BYTES:
+        raise StoreFormatError(
+            f"{path}: expected a zarr.json of at most {MAX_DOCUMENT_BYTES} bytes, got a larger one"
+        )
     try:
         doc = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise StoreFormatError(
             f"{path}: expected a zarr v3 JSON document, got invalid JSON ({exc})"
         ) from exc
@@ -153,7 +182,19 @@ def read_document(directory: Path) -> dict[str, Any] | None:
     return doc
 
 
+def array_compression(doc: dict[str, Any], where: Path | str) -> str:
+    """The compression setting an array document records ("none" when it names none)."""
+    name = kvstore_attrs(doc).get("compression", "none")
+    if not isinstance(name, str) or not COMPRESSION_NAME.fullmatch(name):
+        raise StoreFormatError(
+            f"{where}/zarr.json: attributes.kvstore.compression: expected 'none', 'lz4' or "
+            f"'zstd-<1..9>', got {name!r}"
+        )
+    return name
+
+
 def kvstore_attrs(doc: dict[str, Any]) -> dict[str, Any]:
     """``attributes.kvstore`` of a document ({} when absent)."""
-    attrs = doc.get("attributes", {}).get("kvstore", {})
+    attributes = doc.get("attributes", {})
+    attrs = attributes.get("kvstore", {}) if isinstance(attributes, dict) else {}
     return attrs if isinstance(attrs, dict) else {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -23,16 +24,17 @@ from typing import Any
 from kvstore.config import StoreConfig
 from kvstore.errors import IdentityMismatchError, StoreFormatError
 from kvstore.identity import Identity
-from kvstore.io.fileio import DEFAULT_FILEIO, FileIO
-from kvstore.io.host import HostEngine
+from kvstore.io.fileio import DEFAULT_FILEIO, FileIO, sync_parents
+from kvstore.io.host import PROBE_PREFIX, HostEngine
 from kvstore.store import metadata
+from kvstore.store.compression import check_array_compression
 from kvstore.store.format import ShardLayout
 from kvstore.store.group_store import GroupStore
 from kvstore.store.types import StoreStats
 
 QUARANTINE = "quarantine"
 # What Identity.namespace produces; anything else (.., /, a symlink trick) is refused.
-NAMESPACE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*-[0-9a-f]{12}")
+NAMESPACE_NAME = re.compile(r"[a-z0-9_][a-z0-9._-]*-[0-9a-f]{12}")
 
 
 class KVStore:
@@ -61,7 +63,7 @@ class KVStore:
             raise StoreFormatError(f"store root {self.root}: expected a directory, got a file")
         doc = metadata.read_document(self.root)
         if doc is None:
-            if self.root.exists() and any(self.root.iterdir()):
+            if self.root.exists() and any(not _leftover(p.name) for p in self.root.iterdir()):
                 raise StoreFormatError(
                     f"store root {self.root}: expected an empty directory or a kvstore store, "
                     "got a non-empty directory without zarr.json"
@@ -79,8 +81,14 @@ class KVStore:
 
     # -- namespaces ----------------------------------------------------------------------------
 
-    def namespace(self, identity: Identity, *, create: bool = True) -> Namespace:
-        """The namespace of ``identity``, created if absent (unless ``create`` is False)."""
+    def namespace(
+        self, identity: Identity, *, create: bool = True, adopt_compression: bool = False
+    ) -> Namespace:
+        """The namespace of ``identity``, created if absent (unless ``create`` is False).
+
+        Existing arrays whose compression differs from the config's are refused
+        (:class:`ConfigError`) unless ``adopt_compression`` (tools) or the store is read-only.
+        """
         name = identity.namespace
         cached = self._namespaces.get(name)
         if cached is not None:
@@ -90,6 +98,7 @@ class KVStore:
                 )
             return cached
         path = self.root / name
+        _refuse_symlinks(self.root, path)
         doc = metadata.read_document(path)
         if doc is None:
             if not create or self.read_only:
@@ -102,14 +111,17 @@ class KVStore:
                     f"namespace {name} in {self.root} holds another identity: "
                     f"{stored.describe_difference(identity)}"
                 )
-        ns = Namespace(self, identity, path)
+        ns = Namespace(self, identity, path, adopt_compression)
         self._namespaces[name] = ns
         return ns
 
     def _write_document(self, directory: Path, content: bytes) -> None:
         config = self.config
+        # Always durable, whatever ``durability`` says for blocks: a document is written once
+        # per store, namespace and array, and one torn by a power loss would keep the store
+        # from opening at all (a lost block is only a miss).
         metadata.write_document(
-            self.fio, directory, content, config.durable, config.file_mode, config.dir_mode
+            self.fio, directory, content, True, config.file_mode, config.dir_mode
         )
 
     def open_namespace(self, name: str) -> Namespace:
@@ -119,6 +131,7 @@ class KVStore:
                 f"namespace name: expected <model slug>-<12 hex digits>, got {name!r}"
             )
         path = self.root / name
+        _refuse_symlinks(self.root, path)
         doc = metadata.read_document(path)
         if doc is None:
             raise StoreFormatError(f"namespace {name}: expected {path}/zarr.json, found none")
@@ -128,7 +141,7 @@ class KVStore:
                 f"namespace {name}: its identity hashes to {identity.namespace}; the directory "
                 "was renamed or its zarr.json edited"
             )
-        return self.namespace(identity, create=False)
+        return self.namespace(identity, create=False, adopt_compression=True)
 
     def namespace_names(self) -> list[str]:
         """Directory names of the namespaces in this store, sorted."""
@@ -158,8 +171,11 @@ class KVStore:
 class Namespace:
     """The arrays of one identity; ``group(k)`` gives the block operations of group k."""
 
-    def __init__(self, store: KVStore, identity: Identity, path: Path) -> None:
+    def __init__(
+        self, store: KVStore, identity: Identity, path: Path, adopt_compression: bool = False
+    ) -> None:
         self.store = store
+        self._adopt_compression = adopt_compression
         self.identity = identity
         self.path = path
         self.name = identity.namespace
@@ -173,9 +189,17 @@ class Namespace:
         identity = self.identity
         spec = identity.groups[index]
         array_path = self.path / f"g{index}"
-        expected = metadata.array_document(identity, index)
         doc = metadata.read_document(array_path)
         config = self.store.config
+        compression = config.compression
+        if doc is not None:
+            # The array's own setting is authoritative; tools (read-only, or opening a
+            # namespace by name) adopt it, a server configured otherwise is refused.
+            stored = metadata.array_compression(doc, array_path)
+            if not (self.store.read_only or self._adopt_compression):
+                check_array_compression(stored, compression, f"array {array_path}")
+            compression = stored
+        expected = metadata.array_document(identity, index, compression)
         created = doc is None
         if created:
             if self.store.read_only:
@@ -201,11 +225,44 @@ class Namespace:
             verify_reads=config.verify_reads,
             quarantine_dir=self.path / QUARANTINE if config.quarantine else None,
             read_only=self.store.read_only,
+            compression=compression,
         )
         if created:  # pre-create the fan-out so block writes never mkdir
+            made: list[str] = []
             for hi in range(256):
-                self.store.fio.makedirs(str(group.fanout_dir(hi)), config.dir_mode)
+                made += self.store.fio.makedirs(str(group.fanout_dir(hi)), config.dir_mode)
+            if config.durable:
+                sync_parents(self.store.fio, made)
+        _refuse_symlinks(self.store.root, group.fanout_dir(0).parent)
+        for hi in range(256):
+            _refuse_symlinks(group.fanout_dir(hi).parent, group.fanout_dir(hi))
         return group
+
+
+def _refuse_symlinks(root: Path, directory: Path) -> None:
+    """:class:`StoreFormatError` if ``directory`` or a directory between ``root`` and it is a
+    symbolic link. kvstore never follows links below its root: O_NOFOLLOW covers the file
+    names it opens, this the directories (a link planted there would send blocks, with their
+    prompts, elsewhere). Checked when a namespace is opened; ``kvstore verify`` reports links
+    too. The root itself may be a link."""
+    current = root
+    for part in directory.relative_to(root).parts:
+        current = current / part
+        try:
+            mode = os.lstat(current).st_mode
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(mode):
+            raise StoreFormatError(
+                f"{current}: a symbolic link inside the store; kvstore follows no links below "
+                "its root (move or link the whole root instead)"
+            )
+
+
+def _leftover(name: str) -> bool:
+    """A file a crash of kvstore itself may leave in a store root before its zarr.json exists
+    (a document being written, the O_DIRECT probe): the root is still empty for opening."""
+    return name.startswith((metadata.DOC_TMP_PREFIX, PROBE_PREFIX))
 
 
 def _stored_identity(path: Path, doc: dict[str, Any]) -> Identity:

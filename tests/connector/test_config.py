@@ -26,7 +26,7 @@ def test_defaults_and_vllm_keys() -> None:
     config = ConnectorConfig.from_extra_config({**BASE, "blocks_per_chunk": 1})
     assert config.store == StoreConfig(root=Path("/data/kv"))
     assert config == ConnectorConfig(store=StoreConfig(root=Path("/data/kv")))
-    assert config.compression == "none"
+    assert config.store.compression == "none"
     assert config.probe_batch == 256
     assert config.miss_ttl_s == 5.0
     assert set(ConnectorConfig.accepted_keys()) >= VLLM_KEYS | {"root", "durability"}
@@ -44,7 +44,7 @@ def test_store_and_connector_keys_are_typed_strictly() -> None:
         ({"miss_ttl_s": -1}, "miss_ttl_s: expected a number of seconds"),
         ({"durability": "sometimes"}, "durability: expected one of"),
         ({"model_name": 3}, "model_name: expected a string"),
-        ({"compression": "zstd"}, "compressed namespaces are not implemented"),
+        ({"compression": "zstd"}, "compression: expected 'none', 'lz4' or 'zstd-<level"),
     ]
     for values, message in bad:
         with pytest.raises(ConfigError, match=message):

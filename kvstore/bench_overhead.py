@@ -1,0 +1,69 @@
+"""Overhead suite: Python time per block of the store over the raw floor.
+
+Tiny blocks on tmpfs (``/dev/shm``), one thread, no fsync, so that I/O time nearly vanishes and
+what is left is what the store's code adds per block (checksums, header, index, temporary file
+and rename on writes; header decode and checks on reads).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvstore.bench_common import RawFloor, make_workload
+from kvstore.bench_lookup import tiny_identity
+from kvstore.bench_throughput import KvstoreSystem
+
+
+def run(blocks: int) -> dict[str, Any]:
+    shm = Path("/dev/shm")  # noqa: S108 - tmpfs, so that I/O time vanishes
+    scratch = Path(tempfile.mkdtemp(dir=shm if shm.is_dir() else None))
+    try:
+        store = KvstoreSystem(scratch / "store", tiny_identity(), 1, "none", "none", "off")
+        raw = RawFloor(scratch / "raw", 1, durable=False)
+        try:
+            work = make_workload(store.group.layout, blocks, seed=11, tag="overhead")
+            outs = work.outs
+            sw, rw = store.write(work), raw.write(work)
+            sr, rr = store.read(work, outs), raw.read(work, outs)
+        finally:
+            store.close()
+            raw.close()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    def per_block(store_s: float, raw_s: float) -> dict[str, float]:
+        return {
+            "store": round(store_s / blocks * 1e6, 1),
+            "raw": round(raw_s / blocks * 1e6, 1),
+            "overhead": round((store_s - raw_s) / blocks * 1e6, 1),
+        }
+
+    return {
+        "blocks": blocks,
+        "block_bytes": work.block_nbytes,
+        "write_us_per_block": per_block(sw, rw),
+        "read_us_per_block": per_block(sr, rr),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    w, r = result["write_us_per_block"], result["read_us_per_block"]
+    return (
+        f"python overhead per block (tmpfs, {result['block_bytes']} B blocks): write "
+        f"{w['overhead']} us (store {w['store']}, raw {w['raw']}), read {r['overhead']} us "
+        f"(store {r['store']}, raw {r['raw']})"
+    )
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    w, r = result["write_us_per_block"], result["read_us_per_block"]
+    return [
+        f"{result['blocks']} blocks of {result['block_bytes']} bytes on tmpfs, one thread, no "
+        "fsync, so that I/O time nearly vanishes; store time minus raw time per block:",
+        "",
+        f"* write: store {w['store']} µs, raw {w['raw']} µs, **overhead {w['overhead']} µs**",
+        f"* read: store {r['store']} µs, raw {r['raw']} µs, **overhead {r['overhead']} µs**",
+    ]

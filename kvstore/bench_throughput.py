@@ -1,0 +1,509 @@
+"""Throughput suite: the same blocks through kvstore and through what users would pick instead.
+
+For each (model, block tokens) the same KV-like blocks are written, read cold and read hot by:
+
+* ``kvstore``: :meth:`GroupStore.write_blocks` / :meth:`read_blocks` - per-chunk checksums,
+  header and zarr index, temporary file + rename, fdatasync and directory fsync (durability
+  ``full``), every read verified.
+* ``raw``: the raw floor (:class:`~kvstore.bench_common.RawFloor`): plain ``pwrite``/``preadv``,
+  one file per block, the same threads, write mode and durability as kvstore.
+* ``vllm-fs``: vLLM 0.33's own filesystem tier I/O, ``batch_store_block`` /
+  ``batch_load_block`` of ``vllm.v1.kv_offload.tiering.fs.io`` (its C extension where present)
+  with O_DIRECT as its ``probe_o_direct`` decides, files laid out as its ``FileMapper`` names
+  them (``<base>_r0/<hex[:3]>/<hex[3:5]>_g0/<hex>.bin``). Each batch is split into one job per
+  thread, each job one ``batch_*`` call, as the tier's thread pool runs them. It never fsyncs
+  and has no checksums (that is what it does). Only where ``vllm`` imports.
+* ``safetensors``: one ``safetensors`` file per block (``<root>/<hex>/kv_cache.safetensors``,
+  ``save_file`` / ``load_file`` then a copy into the read buffer), as vLLM's example connector
+  stores KV, on the same threads, without fsync.
+
+Every system runs on the same thread count and batches; the order of systems rotates between
+repetitions and the median is reported. ``os.sync()`` runs untimed after each write phase, so
+the deferred writeback of systems that do not sync is not charged to the next measurement.
+Cold reads follow ``posix_fadvise(DONTNEED)`` of every file; hot reads repeat the read at once
+(O_DIRECT readers, vLLM's tier, read the disk again).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from kvstore.bench_common import RawFloor, Workload, drop_cache, gbs, make_workload, median
+from kvstore.config import StoreConfig
+from kvstore.identity import Identity
+from kvstore.io.host import probe_direct_io
+from kvstore.models import load_model
+from kvstore.store.format import ShardLayout
+from kvstore.store.page_store import KVStore
+from kvstore.store.types import BlockRead, BlockWrite, WriteStatus
+
+SYSTEMS = ("kvstore", "kvstore-direct", "raw", "vllm-fs", "safetensors")
+MINE = ("kvstore", "kvstore-direct")
+OTHERS = ("raw", "vllm-fs", "safetensors")
+PHASES = ("write", "cold", "hot")
+
+
+class System(Protocol):
+    name: str
+
+    def describe(self) -> str: ...
+    def write(self, work: Workload) -> float: ...
+    def read(self, work: Workload, outs: Sequence[np.ndarray]) -> float: ...
+    def close(self) -> None: ...
+
+
+class KvstoreSystem:
+    name = "kvstore"
+
+    def __init__(
+        self,
+        root: Path,
+        identity: Identity,
+        threads: int,
+        durability: str,
+        compression: str,
+        direct_io: str = "auto",
+        direct_reads: bool = False,
+    ) -> None:
+        self.name = "kvstore-direct" if direct_reads else "kvstore"
+        config = StoreConfig(
+            root=root,
+            io_threads=threads,
+            durability=durability,  # type: ignore[arg-type]
+            compression=compression,
+            direct_io=direct_io,  # type: ignore[arg-type]
+            direct_reads=direct_reads,
+        )
+        self.store = KVStore(config)
+        self.group = self.store.namespace(identity).group(0)
+        self.durability = durability
+        self.compression = compression
+
+    def describe(self) -> str:
+        extra = "" if self.compression == "none" else f", compression {self.compression}"
+        if self.store.config.direct_reads:
+            extra += ", direct_reads (O_DIRECT reads)"
+        return f"kvstore: {self.store.engine.describe()}, durability {self.durability}{extra}"
+
+    def write(self, work: Workload) -> float:
+        group = self.group
+        start = time.perf_counter()
+        for batch in work.batches():
+            results = group.write_blocks(
+                [BlockWrite(work.hashes[i], work.data(i), work.parents[i]) for i in batch]
+            )
+            bad = [r for r in results if r.status is not WriteStatus.WRITTEN]
+            if bad:
+                raise RuntimeError(f"kvstore write failed: {bad[0]}")
+        return time.perf_counter() - start
+
+    def read(self, work: Workload, outs: Sequence[np.ndarray]) -> float:
+        group = self.group
+        start = time.perf_counter()
+        for batch in work.batches():
+            results = group.read_blocks(
+                [BlockRead(work.hashes[i], outs[i % len(outs)]) for i in batch]
+            )
+            if not all(r.ok for r in results):
+                raise RuntimeError(f"kvstore read failed: {next(r for r in results if not r.ok)}")
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def vllm_fs_io() -> tuple[Any, str]:
+    """vLLM's fs tier io module, or (None, why not)."""
+    try:
+        from vllm.v1.kv_offload.tiering.fs import io as fs_io  # noqa: PLC0415
+    except Exception as exc:  # vllm absent, or failing to import on this machine
+        return None, f"vllm's fs tier does not import here ({type(exc).__name__}: {exc})"
+    return fs_io, ""
+
+
+class VllmFsSystem:
+    name = "vllm-fs"
+
+    def __init__(self, root: Path, threads: int) -> None:
+        fs_io, why = vllm_fs_io()
+        if fs_io is None:
+            raise RuntimeError(why)
+        self.io = fs_io
+        self.base = root / "bench-model_000000000000"
+        self.base.mkdir(parents=True, exist_ok=True)
+        self.direct = bool(fs_io.probe_o_direct(str(self.base)))
+        self.c_ext = bool(getattr(fs_io, "_HAS_FSIO_C", False))
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads)
+
+    def describe(self) -> str:
+        impl = "C extension" if self.c_ext else "Python"
+        mode = "O_DIRECT" if self.direct else "buffered (O_DIRECT probe failed)"
+        return (
+            f"vLLM fs tier io ({impl}): batch_store_block/batch_load_block, {mode}, "
+            f"{self.threads} threads, no fsync, no checksums"
+        )
+
+    def path(self, block_hash: bytes) -> str:
+        h = block_hash.hex()
+        return f"{self.base}_r0/{h[:3]}/{h[3:5]}_g0/{h}.bin"
+
+    def _jobs(self, batch: range) -> list[range]:
+        n = len(batch)
+        per = -(-n // self.threads)
+        return [
+            range(batch.start + k, min(batch.stop, batch.start + k + per)) for k in range(0, n, per)
+        ]
+
+    def write(self, work: Workload) -> float:
+        view = work.backing.data
+        n = work.block_nbytes
+        store = self.io.batch_store_block
+
+        def job(block_ids: range) -> None:
+            paths = [self.path(work.hashes[i]) for i in block_ids]
+            offsets = [(i % work.distinct) * n for i in block_ids]
+            store(paths, view, offsets, n, self.direct)
+
+        start = time.perf_counter()
+        for batch in work.batches():
+            list(self.pool.map(job, self._jobs(batch)))
+        return time.perf_counter() - start
+
+    def read(self, work: Workload, outs: Sequence[np.ndarray]) -> float:
+        view = work.read_backing.data
+        n = work.block_nbytes
+        load = self.io.batch_load_block
+
+        def job(block_ids: range) -> None:
+            paths = [self.path(work.hashes[i]) for i in block_ids]
+            offsets = [(i % work.batch) * n for i in block_ids]
+            load(paths, view, offsets, n, self.direct)
+
+        start = time.perf_counter()
+        for batch in work.batches():
+            list(self.pool.map(job, self._jobs(batch)))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class SafetensorsSystem:
+    name = "safetensors"
+
+    def __init__(self, root: Path, threads: int) -> None:
+        from safetensors import torch as st  # noqa: PLC0415
+
+        self.st = st
+        self.root = root
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads)
+
+    def describe(self) -> str:
+        return (
+            "safetensors: one file per block (save_file / load_file + copy), "
+            f"{self.threads} threads, no fsync"
+        )
+
+    def path(self, block_hash: bytes) -> str:
+        return f"{self.root}/{block_hash.hex()}/kv_cache.safetensors"
+
+    def write(self, work: Workload) -> float:
+        def one(i: int) -> None:
+            path = self.path(work.hashes[i])
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            tensor = torch.from_numpy(work.data(i)).view(torch.bfloat16)
+            self.st.save_file({"kv_cache": tensor}, path)
+
+        start = time.perf_counter()
+        for batch in work.batches():
+            list(self.pool.map(one, batch))
+        return time.perf_counter() - start
+
+    def read(self, work: Workload, outs: Sequence[np.ndarray]) -> float:
+        def one(i: int) -> None:
+            tensor = self.st.load_file(self.path(work.hashes[i]))["kv_cache"]
+            target = torch.from_numpy(outs[i % len(outs)]).view(torch.bfloat16)
+            target.copy_(tensor)
+
+        start = time.perf_counter()
+        for batch in work.batches():
+            list(self.pool.map(one, batch))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class RawSystem(RawFloor):
+    """The raw floor as a benchmark system."""
+
+
+def available_systems(wanted: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The systems of ``wanted`` that can run here, and why the others cannot."""
+    skipped: dict[str, str] = {}
+    ok: list[str] = []
+    for name in wanted:
+        if name not in SYSTEMS:
+            raise ValueError(f"system: expected one of {list(SYSTEMS)}, got {name!r}")
+        if name == "vllm-fs":
+            fs_io, why = vllm_fs_io()
+            if fs_io is None:
+                skipped[name] = why
+                continue
+        ok.append(name)
+    return ok, skipped
+
+
+def _make(
+    name: str,
+    root: Path,
+    identity: Identity,
+    threads: int,
+    durability: str,
+    direct: bool,
+    compression: str,
+) -> System:
+    if name in MINE:
+        return KvstoreSystem(
+            root, identity, threads, durability, compression, direct_reads=name != "kvstore"
+        )
+    if name == "raw":
+        return RawSystem(root, threads, durability == "full", direct)
+    if name == "vllm-fs":
+        return VllmFsSystem(root, threads)
+    return SafetensorsSystem(root, threads)
+
+
+def run_config(
+    base: Path,
+    model: str,
+    block_tokens: int,
+    gib: float,
+    threads: int,
+    durability: str,
+    repeat: int,
+    systems: Sequence[str],
+    compression: str = "none",
+) -> dict[str, Any]:
+    """Write, cold read and hot read of one workload through every system, ``repeat`` times."""
+    identity = load_model(model).identity(block_tokens)
+    spec = identity.groups[0]
+    layout = ShardLayout.for_group(spec, block_tokens, identity.dtype.itemsize)
+    count = max(8, int(gib * 2**30) // layout.block_nbytes)
+    work = make_workload(layout, count, seed=block_tokens, tag=model)
+    outs = work.outs
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    direct = probe_direct_io(base, "auto").enabled
+    _warm_up(base / "warm-up", work, threads, durability == "full", direct)
+    samples: dict[str, dict[str, list[float]]] = {s: {p: [] for p in PHASES} for s in systems}
+    described: dict[str, str] = {}
+    for rep in range(repeat):
+        shift = rep % len(systems)
+        for name in [*systems[shift:], *systems[:shift]]:
+            root = base / name
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+            system = _make(name, root, identity, threads, durability, direct, compression)
+            described[name] = system.describe()
+            try:
+                os.sync()
+                samples[name]["write"].append(system.write(work))
+                os.sync()  # untimed: deferred writeback of systems that do not sync
+                drop_cache(root)
+                samples[name]["cold"].append(system.read(work, outs))
+                work.check_last_batch(outs, name)
+                samples[name]["hot"].append(system.read(work, outs))
+            finally:
+                system.close()
+                shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(base, ignore_errors=True)
+    total = work.total_bytes
+    results: dict[str, Any] = {}
+    for name in systems:
+        results[name] = {
+            f"{phase}_gbs": round(gbs(total, median(samples[name][phase])), 3) for phase in PHASES
+        }
+        results[name]["samples_s"] = {
+            phase: [round(x, 4) for x in samples[name][phase]] for phase in PHASES
+        }
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
+    for mine in MINE:
+        for other in OTHERS:
+            if mine in results and other in results:
+                ratios.setdefault(mine, {})[other] = {
+                    phase: round(results[mine][f"{phase}_gbs"] / results[other][f"{phase}_gbs"], 3)
+                    for phase in PHASES
+                }
+    return {
+        "model": model,
+        "block_tokens": block_tokens,
+        "blocks": count,
+        "block_bytes": work.block_nbytes,
+        "total_bytes": total,
+        "threads": threads,
+        "batch": work.batch,
+        "durability": durability,
+        "systems": results,
+        "kvstore_ratio_to": ratios.get("kvstore", {}),
+        "ratios": ratios,
+        "described": described,
+    }
+
+
+def _warm_up(root: Path, work: Workload, threads: int, durable: bool, direct: bool) -> None:
+    """One untimed raw write and read of up to 1 GiB: on the measured VM the first writer after
+    a pause runs up to 2x slower (host-side allocation), which would penalise whichever system
+    happens to go first."""
+    n = max(1, min(len(work.hashes), (1 << 30) // work.block_nbytes))
+    part = Workload(
+        work.hashes[:n],
+        work.parents[:n],
+        work.backing,
+        work.distinct,
+        work.block_nbytes,
+        work.batch,
+        work.read_backing,
+    )
+    raw = RawFloor(root, threads, durable, direct)
+    try:
+        raw.write(part)
+        raw.read(part, part.outs)
+    finally:
+        raw.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(
+    base: Path,
+    models: Sequence[str],
+    block_tokens: Sequence[int],
+    gib: float,
+    threads: int,
+    durability: str,
+    repeat: int,
+    systems: Sequence[str] = SYSTEMS,
+) -> dict[str, Any]:
+    """The suite: every (model, block tokens) configuration."""
+    ok, skipped = available_systems(systems)
+    configs = [
+        run_config(base / f"{m}-{t}", m, t, gib, threads, durability, repeat, ok)
+        for m in models
+        for t in block_tokens
+    ]
+    return {"configs": configs, "skipped": skipped}
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = []
+    for name, why in result["skipped"].items():
+        lines.append(f"{name}: skipped ({why})")
+    lines.append(
+        f"{'model':<14} {'tokens':>6} {'GB':>6}  {'system':<12} {'write':>7} {'cold rd':>7} "
+        f"{'hot rd':>7}  (GB/s)"
+    )
+    for cfg in result["configs"]:
+        for name, r in cfg["systems"].items():
+            lines.append(
+                f"{cfg['model']:<14} {cfg['block_tokens']:>6} {cfg['total_bytes'] / 1e9:>6.2f}  "
+                f"{name:<12} {r['write_gbs']:>7.2f} {r['cold_gbs']:>7.2f} {r['hot_gbs']:>7.2f}"
+            )
+        for mine, by_other in cfg["ratios"].items():
+            for other, ratio in by_other.items():
+                lines.append(
+                    f"{'':<14} {'':>6} {'':>6}  {mine + '/' + other:<26} write "
+                    f"{ratio['write']:.2f}x, cold {ratio['cold']:.2f}x, hot {ratio['hot']:.2f}x"
+                )
+    return "\n".join(lines)
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    configs = result["configs"]
+    if not configs:
+        return []
+    systems = list(configs[0]["systems"])
+    lines = [
+        "| model | block tokens | blocks | GB | system | write GB/s | cold read GB/s | hot read GB/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cfg in configs:
+        for name in systems:
+            r = cfg["systems"][name]
+            lines.append(
+                f"| {cfg['model']} | {cfg['block_tokens']} | {cfg['blocks']} | "
+                f"{cfg['total_bytes'] / 1e9:.2f} | {name} | {r['write_gbs']:.2f} | "
+                f"{r['cold_gbs']:.2f} | {r['hot_gbs']:.2f} |"
+            )
+    mines = list(configs[0]["ratios"])
+    others = [o for o in OTHERS if mines and o in configs[0]["ratios"][mines[0]]]
+    if others:
+        head = " | ".join(f"vs {o}: write / cold / hot" for o in others)
+        lines += ["", "Ratios (kvstore GB/s / other GB/s, higher is better):", ""]
+        lines += [
+            f"| model | block tokens | kvstore | {head} |",
+            "|---|---|---|" + "---|" * len(others),
+        ]
+        for cfg in configs:
+            for mine in mines:
+                cells = " | ".join(
+                    "**{write:.2f}** / **{cold:.2f}** / {hot:.2f}".format(**cfg["ratios"][mine][o])
+                    for o in others
+                )
+                lines.append(f"| {cfg['model']} | {cfg['block_tokens']} | {mine} | {cells} |")
+    lines += ["", "Systems as measured:", ""]
+    for name, text in configs[0]["described"].items():
+        lines.append(f"* `{name}`: {text}")
+    for name, why in result["skipped"].items():
+        lines.append(f"* `{name}`: skipped, {why}")
+    cfg = configs[0]
+    lines += [
+        "",
+        f"{cfg['threads']} threads for every system; {cfg['batch']} blocks per store/load call "
+        "(fewer for very large blocks, to bound memory).",
+    ]
+    return lines
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    configs = result["configs"]
+    if not configs:
+        return []
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    systems = list(configs[0]["systems"])
+    labels = [f"{c['model'].replace('llama-3.1-', '')}\n{c['block_tokens']} tok" for c in configs]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), sharey=True)
+    width = 0.8 / len(systems)
+    for ax, phase, title in zip(axes, PHASES, ("write", "cold read", "hot read"), strict=True):
+        for k, name in enumerate(systems):
+            values = [c["systems"][name][f"{phase}_gbs"] for c in configs]
+            xs = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(configs))]
+            ax.bar(xs, values, width, label=name)
+        ax.set_xticks(range(len(configs)), labels)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Same blocks through each system (median of repetitions)")
+    fig.tight_layout()
+    path = out_dir / "perf_throughput.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,477 @@
+"""Optional compression of inner chunks: the format v1 addendum (docs/format.md).
+
+**Setting.** Compression is a property of a group array, chosen when the array is created from
+:attr:`StoreConfig.compression <kvstore.config.StoreConfig.compression>` and recorded in the
+array's ``zarr.json`` as the sharding codec's inner codec chain, ``bytes`` then ``blosc``, so
+plain zarr-python (and any zarr v3 reader with blosc) decodes every value. It is also named in
+``attributes.kvstore.compression``. Once the array exists its setting is authoritative: a
+server configured with another one gets a :class:`~kvstore.errors.ConfigError` naming both
+(tools that open a namespace by name adopt the stored setting).
+
+=====================  ==================================================================
+``none`` (default)     raw inner chunks at fixed 4 KiB-aligned offsets (format v1)
+``lz4``                blosc ``lz4``, clevel 5, bit shuffle (typesize = element size)
+``zstd-N`` (N = 1..9)  blosc ``zstd`` at blosc clevel N, bit shuffle (blosc maps clevel 1, 2,
+                       3 to zstd levels 1, 3, 5)
+=====================  ==================================================================
+
+Bit shuffle, not byte shuffle: on bf16 KV values byte shuffle leaves the high bytes (sign and
+exponent, ~4 bits of entropy) to lz4, which cannot entropy-code them (1.03x), while bit shuffle
+turns the exponent bits into long runs (1.2x); zstd codes entropy either way and gains a few
+per cent from bit shuffle. ``python scripts/bench.py --suite compression`` measures all of them.
+
+**Shard file of a compressed block** (header flag ``FLAG_COMPRESSED``)::
+
+    [0, header_nbytes)                  header as in format v1; chunk_stride = 0, file_nbytes =
+                                        the actual file size; checksum slot c = checksum of the
+                                        *stored* (compressed) bytes of chunk c
+    [header_nbytes, data_end)           the compressed chunks back to back in chunk order, no
+                                        padding (offsets depend on the data)
+    [data_end, data_end + 16*n + 4)     standard zarr sharding index: (offset, nbytes) of every
+                                        stored chunk, then crc32c; data_end = file size - 16*n - 4
+
+The reader uses the standard index (one source of truth for offsets, with its own crc32c)
+rather than a second table in the header. A compressed shard is written whole by one writer:
+offsets are known only after compressing, so several ranks cannot fill one file at fixed
+offsets, and O_DIRECT writes go through the engine's aligned staging copy.
+
+**Reading** checks, in order: file size within bounds fixed by the geometry (at most
+``header + n * (chunk_nbytes + 16) + index``, so a hostile file cannot make a reader allocate
+more than about one block); header (magic, version, crc, key, namespace, group, geometry, the
+compressed flag, file size); index crc32c and that the index describes exactly the packed
+layout above, each stored chunk at most ``chunk_nbytes + 16`` bytes; the checksum of every
+stored chunk it reads (before the decompressor sees the bytes); the blosc header (decoded size
+= ``chunk_nbytes``, stored size = the index entry); then decompresses straight into the caller's
+buffer. A whole-block read is one ``preadv`` of the file; a partial read (a TP rank's heads)
+reads the header, the index, and each contiguous run of the chunks it needs.
+
+**Several writers** (the vLLM connector: ranks write their parts of one block): ranks write raw
+chunks into the temporary file at fixed offsets exactly as for uncompressed arrays; the
+committer then reads the complete raw file, checks every chunk against the checksum its writer
+recorded, compresses, writes the compressed file (fsynced when durable) under a new temporary
+name, renames it into place and removes the raw file. The raw bytes are therefore written once
+and read once more on the committing node: compression pays off where the published bytes
+cross a slow or remote link, not on a fast local disk (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numcodecs import blosc
+
+from kvstore.checksum import checksum_function, crc32c
+from kvstore.config import check_compression
+from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError, KvstoreError
+from kvstore.io.buffers import ThreadStaging
+from kvstore.io.fileio import read_fully
+from kvstore.store import format as fmt
+from kvstore.store.format import ShardLayout
+from kvstore.store.types import PendingBlock
+
+if TYPE_CHECKING:
+    from kvstore.io.host import Segment
+    from kvstore.store.group_store import GroupStore
+
+# blosc1 frame header: version, versionlz, flags, typesize, nbytes, blocksize, cbytes.
+_BLOSC_HEADER = struct.Struct("<BBBBIII")
+BLOSC_OVERHEAD = 16  # blosc1 header; an incompressible chunk is stored with exactly this much more
+_LZ4_CLEVEL = 5
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A compression setting for one array: blosc with bit shuffle."""
+
+    name: str  # the config name: "lz4", "zstd-3"
+    cname: str  # blosc compressor
+    clevel: int  # blosc compression level
+    typesize: int  # element size in bytes (the unit bit shuffle transposes)
+
+    @classmethod
+    def for_name(cls, name: str, itemsize: int) -> Codec | None:
+        """The codec of config name ``name`` (None for "none"); ConfigError if unknown."""
+        check_compression(name)
+        if name == "none":
+            return None
+        if name == "lz4":
+            return cls(name, "lz4", _LZ4_CLEVEL, itemsize)
+        return cls(name, "zstd", int(name.split("-", 1)[1]), itemsize)
+
+    def zarr_config(self) -> dict[str, Any]:
+        """The blosc codec's configuration in zarr.json."""
+        return {
+            "typesize": self.typesize,
+            "cname": self.cname,
+            "clevel": self.clevel,
+            "shuffle": "bitshuffle",
+            "blocksize": 0,
+        }
+
+    @staticmethod
+    def max_stored_nbytes(chunk_nbytes: int) -> int:
+        """The largest valid stored chunk: blosc never expands by more than its header."""
+        return chunk_nbytes + BLOSC_OVERHEAD
+
+    def compress(self, data: memoryview) -> bytes:
+        """The stored bytes of one raw chunk (a blosc1 frame). Releases the GIL."""
+        out: bytes = blosc.compress(
+            data, self.cname.encode(), self.clevel, blosc.BITSHUFFLE, 0, typesize=self.typesize
+        )
+        return out
+
+    @staticmethod
+    def decompress_into(stored: memoryview, out: memoryview) -> None:
+        """Decode one stored chunk into ``out`` (exactly its raw size); CorruptBlockError if the
+        frame does not describe exactly ``len(out)`` bytes stored in ``len(stored)``."""
+        if len(stored) < _BLOSC_HEADER.size:
+            raise CorruptBlockError(f"compressed chunk: {len(stored)} bytes, no blosc header")
+        _, _, _, _, nbytes, _, cbytes = _BLOSC_HEADER.unpack_from(stored)
+        if nbytes != len(out) or cbytes != len(stored):
+            raise CorruptBlockError(
+                f"compressed chunk: expected {len(out)} bytes stored in {len(stored)}, the blosc "
+                f"header says {nbytes} in {cbytes}"
+            )
+        try:
+            blosc.decompress(stored, out)
+        except (RuntimeError, ValueError) as exc:
+            raise CorruptBlockError(f"compressed chunk does not decode: {exc}") from None
+
+
+def codec_for(name: str, itemsize: int) -> Codec | None:
+    """:meth:`Codec.for_name`."""
+    return Codec.for_name(name, itemsize)
+
+
+def compressed_bounds(layout: ShardLayout) -> tuple[int, int]:
+    """(smallest, largest) size of a valid compressed shard file of ``layout``."""
+    fixed = layout.header_nbytes + layout.index_nbytes
+    return (
+        fixed + layout.num_chunks * _BLOSC_HEADER.size,
+        fixed + layout.num_chunks * Codec.max_stored_nbytes(layout.chunk_nbytes),
+    )
+
+
+def encode_index(sizes: Sequence[int], data_offset: int) -> bytes:
+    """The standard sharding index of chunks packed back to back from ``data_offset``."""
+    entries = np.empty((len(sizes), 2), dtype="<u8")
+    lengths = np.asarray(sizes, dtype=np.uint64)
+    entries[:, 1] = lengths
+    entries[:, 0] = data_offset + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
+    raw = entries.tobytes()
+    return raw + struct.pack("<I", crc32c(raw))
+
+
+def decode_index(index: memoryview, layout: ShardLayout, file_nbytes: int) -> np.ndarray:
+    """Stored chunk offsets (n+1 of them: chunk c is ``[off[c], off[c+1])``) from the index.
+
+    CorruptBlockError unless the crc matches and the entries describe exactly the packed layout
+    with every stored chunk between a blosc header and ``chunk_nbytes + 16`` bytes.
+    """
+    n = layout.num_chunks
+    if len(index) != layout.index_nbytes:
+        raise CorruptBlockError(f"index: expected {layout.index_nbytes} bytes, got {len(index)}")
+    raw = index[: 16 * n]
+    (stored_crc,) = struct.unpack_from("<I", index, 16 * n)
+    if crc32c(raw) != stored_crc:
+        raise CorruptBlockError("sharding index checksum mismatch")
+    entries = np.frombuffer(raw, dtype="<u8").reshape(n, 2).astype(np.int64)
+    sizes = entries[:, 1]
+    data_end = file_nbytes - layout.index_nbytes
+    if (sizes < _BLOSC_HEADER.size).any() or (
+        sizes > Codec.max_stored_nbytes(layout.chunk_nbytes)
+    ).any():
+        raise CorruptBlockError(
+            f"sharding index: stored chunk sizes must lie in [{_BLOSC_HEADER.size}, "
+            f"{Codec.max_stored_nbytes(layout.chunk_nbytes)}]"
+        )
+    offsets = np.empty(n + 1, dtype=np.int64)
+    offsets[0] = layout.data_offset
+    np.cumsum(sizes, out=offsets[1:])
+    offsets[1:] += layout.data_offset
+    if not (entries[:, 0] == offsets[:-1]).all() or offsets[-1] != data_end:
+        raise CorruptBlockError(
+            "sharding index: expected the chunks packed back to back from "
+            f"{layout.data_offset} to {data_end}"
+        )
+    return offsets
+
+
+class CompressedShards:
+    """Whole-block writes, reads and commits of one compressed group array."""
+
+    def __init__(self, group: GroupStore, codec: Codec) -> None:
+        self.group = group
+        self.codec = codec
+        self.layout = group.layout
+        self._fio = group.engine.fio
+        self._staging = ThreadStaging()
+        self.min_file, self.max_file = compressed_bounds(group.layout)
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def segments(
+        self,
+        block_hash: bytes,
+        parent: bytes | None,
+        created_ns: int,
+        algo: int,
+        data: memoryview,
+        chunk_stride: int,
+    ) -> tuple[list[Segment], int]:
+        """The whole compressed file of a block whose chunk c is ``data[c*stride:][:nbytes]``."""
+        layout = self.layout
+        size = layout.chunk_nbytes
+        stored = [
+            memoryview(self.codec.compress(data[c * chunk_stride : c * chunk_stride + size]))
+            for c in range(layout.num_chunks)
+        ]
+        fn = checksum_function(algo)
+        sums = [fn(s) for s in stored]
+        data_end = layout.data_offset + sum(len(s) for s in stored)
+        file_nbytes = data_end + layout.index_nbytes
+        header = bytearray(layout.header_nbytes)
+        fixed = fmt.encode_fixed_header(
+            layout,
+            self.group.namespace_digest,
+            self.group.index,
+            block_hash,
+            parent,
+            algo,
+            created_ns,
+            compressed_file_nbytes=file_nbytes,
+        )
+        header[: len(fixed)] = fixed
+        slots = fmt.encode_checksums(sums)
+        header[fmt.HEADER_FIXED_NBYTES : fmt.HEADER_FIXED_NBYTES + len(slots)] = slots
+        segments: list[Segment] = [(0, memoryview(header))]
+        offset = layout.data_offset
+        for s in stored:
+            segments.append((offset, s))
+            offset += len(s)
+        index = encode_index([len(s) for s in stored], layout.data_offset)
+        segments.append((data_end, memoryview(index)))
+        return segments, file_nbytes
+
+    def publish_from_raw(
+        self,
+        raw_tmp: str,
+        packed_tmp: str,
+        final: str,
+        pending: PendingBlock,
+        slot_writes: Sequence[Segment] = (),
+    ) -> None:
+        """Compress the complete raw temporary file of a multi-writer block and publish it.
+
+        ``slot_writes`` are the checksum slots the committer computed for range-written chunks.
+        Every chunk is checked against its slot, so bytes torn between the writers and the
+        committer are never compressed into a block that would then verify. The compressed file
+        is written as ``packed_tmp``, renamed to ``final``, and the raw file removed.
+        """
+        layout = self.layout
+        staging = self._staging.get(layout.file_nbytes).data
+        header = staging[: layout.header_nbytes]
+        view = staging[layout.data_offset : layout.data_end]
+        self.group.engine.read_file(
+            raw_tmp,
+            [(0, header), (layout.data_offset, view)],
+            layout.file_nbytes,
+            allow_trailer=True,
+        )
+        for offset, slot in slot_writes:
+            header[offset : offset + len(slot)] = slot
+        slots = fmt.decode_checksums(header, layout.num_chunks)
+        fn = checksum_function(pending.checksum_algo)
+        stride, size = layout.chunk_stride, layout.chunk_nbytes
+        for c in range(layout.num_chunks):
+            if fn(view[c * stride : c * stride + size]) != slots[c]:
+                raise KvstoreError(
+                    f"pending block: inner chunk {c} does not match the checksum its writer "
+                    "recorded; not published"
+                )
+        segments, file_nbytes = self.segments(
+            pending.block_hash,
+            pending.parent_hash,
+            pending.created_ns,
+            pending.checksum_algo,
+            view,
+            stride,
+        )
+        try:
+            self.group.engine.write_file(packed_tmp, segments, file_nbytes, exclusive=True)
+            self._fio.rename(packed_tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self._fio.unlink(packed_tmp)
+            raise
+        with contextlib.suppress(OSError):
+            self._fio.unlink(raw_tmp)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def read(
+        self,
+        path: str,
+        block_hash: bytes,
+        chunks: Sequence[int],
+        out: memoryview,
+        verify: bool,
+        touch_if_older_than_ns: int = 0,
+    ) -> None:
+        """Read, verify and decompress ``chunks`` of the block at ``path`` into ``out``."""
+        layout = self.layout
+        fio = self._fio
+        try:
+            fd = fio.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise BlockMissingError(path) from None
+        try:
+            st = fio.fstat(fd)
+            size = st.st_size
+            if not self.min_file <= size <= self.max_file:
+                raise CorruptBlockError(
+                    f"file size: expected {self.min_file}..{self.max_file} bytes for a compressed "
+                    f"block of this geometry, got {size}"
+                )
+            whole = len(chunks) == layout.num_chunks
+            staging = self._staging.get(size if whole else 2 * self.max_file).data
+            if whole:
+                _read_exact(fio, fd, [staging[:size]], 0)
+                header = staging[: layout.header_nbytes]
+                index = staging[size - layout.index_nbytes : size]
+                stored_at = 0  # file offset of staging[0]
+            else:
+                header = staging[: layout.header_nbytes]
+                index = staging[layout.header_nbytes : layout.header_nbytes + layout.index_nbytes]
+                _read_exact(fio, fd, [header], 0)
+                _read_exact(fio, fd, [index], size - layout.index_nbytes)
+            decoded = fmt.decode_header(header)
+            fmt.check_header(
+                decoded,
+                layout,
+                self.group.namespace_digest,
+                self.group.index,
+                block_hash,
+                compressed_file_nbytes=size,
+            )
+            offsets = decode_index(index, layout, size)
+            if not whole:
+                # The stored runs go to staging past the header and index copies.
+                base = layout.header_nbytes + layout.index_nbytes
+                stored_at = layout.data_offset - base
+                for first, last in _runs(chunks):
+                    start, end = int(offsets[first]), int(offsets[last + 1])
+                    _read_exact(fio, fd, [staging[start - stored_at : end - stored_at]], start)
+            if st.st_mtime_ns < touch_if_older_than_ns:
+                # Last-use tracking is best effort (read-only mount, foreign owner).
+                with contextlib.suppress(OSError):
+                    fio.touch(fd)
+        finally:
+            fio.close(fd)
+        slots = fmt.decode_checksums(header, layout.num_chunks)
+        fn = checksum_function(decoded.checksum_algo) if verify else None
+        size_raw = layout.chunk_nbytes
+        for i, c in enumerate(chunks):
+            stored = staging[int(offsets[c]) - stored_at : int(offsets[c + 1]) - stored_at]
+            if fn is not None and fn(stored) != slots[c]:
+                raise CorruptBlockError(f"checksum mismatch in inner chunk {c}")
+            self.codec.decompress_into(stored, out[i * size_raw : (i + 1) * size_raw])
+
+    def read_header(self, path: str, block_hash: bytes) -> tuple[fmt.BlockHeader, np.ndarray]:
+        """The verified header and checksum slots of a published compressed block."""
+        layout = self.layout
+        fio = self._fio
+        header = bytearray(layout.header_nbytes)
+        try:
+            fd = fio.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise BlockMissingError(path) from None
+        try:
+            size = fio.fstat(fd).st_size
+            if not self.min_file <= size <= self.max_file:
+                raise CorruptBlockError(
+                    f"file size: expected {self.min_file}..{self.max_file} bytes, got {size}"
+                )
+            _read_exact(fio, fd, [memoryview(header)], 0)
+        finally:
+            fio.close(fd)
+        decoded = fmt.decode_header(header)
+        fmt.check_header(
+            decoded,
+            layout,
+            self.group.namespace_digest,
+            self.group.index,
+            block_hash,
+            compressed_file_nbytes=size,
+        )
+        return decoded, fmt.decode_checksums(header, layout.num_chunks).copy()
+
+
+def check_compressed_file(
+    data: memoryview, layout: ShardLayout, codec: Codec, namespace_digest: bytes, group: int
+) -> fmt.BlockHeader:
+    """Check a whole compressed shard file held in memory, as a reader would, and more (tools).
+
+    Size bounds, header (self-check, namespace, group, geometry, compressed flag, size; the key
+    is the header's own hash: callers compare it with the path), zero bytes in the header's
+    unused tail, the index, every stored chunk's checksum, and that every chunk decodes.
+    Returns the header; :class:`CorruptBlockError` names the first problem.
+    """
+    size = len(data)
+    low, high = compressed_bounds(layout)
+    if not low <= size <= high:
+        raise CorruptBlockError(f"file size: expected {low}..{high} bytes, got {size}")
+    header = fmt.decode_header(data[: layout.header_nbytes])
+    fmt.check_header(
+        header, layout, namespace_digest, group, header.block_hash, compressed_file_nbytes=size
+    )
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if (
+        raw[fmt.HEADER_FIXED_NBYTES - 4 : fmt.HEADER_FIXED_NBYTES].any()
+        or raw[fmt.checksum_slot_offset(layout.num_chunks) : layout.header_nbytes].any()
+    ):
+        raise CorruptBlockError("header padding: expected zero bytes, got non-zero")
+    offsets = decode_index(data[size - layout.index_nbytes :], layout, size)
+    fn = checksum_function(header.checksum_algo)
+    slots = fmt.decode_checksums(data[: layout.header_nbytes], layout.num_chunks)
+    scratch = memoryview(bytearray(layout.chunk_nbytes))
+    for c in range(layout.num_chunks):
+        stored = data[int(offsets[c]) : int(offsets[c + 1])]
+        if fn(stored) != slots[c]:
+            raise CorruptBlockError(f"checksum mismatch in inner chunk {c}")
+        codec.decompress_into(stored, scratch)
+    return header
+
+
+def check_array_compression(stored: str, wanted: str, where: str) -> None:
+    """ConfigError unless a server's configured compression matches the array's."""
+    if stored != wanted:
+        raise ConfigError(
+            f"{where} was created with compression {stored!r} (its zarr.json), but this store "
+            f"is configured with compression {wanted!r}; an array keeps its setting: configure "
+            f"compression={stored!r} to use it, or use another store root"
+        )
+
+
+def _read_exact(fio: Any, fd: int, buffers: list[Any], offset: int) -> None:
+    want = sum(len(b) for b in buffers)
+    got = read_fully(fio, fd, buffers, offset)
+    if got != want:
+        raise CorruptBlockError(f"short read at {offset}: expected {want}, got {got}")
+
+
+def _runs(chunks: Sequence[int]) -> list[tuple[int, int]]:
+    """(first, last) chunk numbers of the consecutive runs in ``chunks`` (sorted input)."""
+    runs: list[tuple[int, int]] = []
+    for c in sorted(chunks):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], c)
+        elif not runs or c > runs[-1][1]:
+            runs.append((c, c))
+    return runs

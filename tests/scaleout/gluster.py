@@ -1,0 +1,526 @@
+"""A real distributed file system for the scale-out tests: GlusterFS in network namespaces.
+
+Two GlusterFS servers and two client "nodes" run on this machine, each in a network namespace
+of its own, joined by a bridge in a sixth namespace. The host's own network is never touched:
+every address below exists only inside these namespaces.
+
+```
+ namespace   address       processes                                   role
+ kvsg-sw     (bridge br0)  -                                           the switch
+ kvsg-s1     10.99.0.1     glusterd, glusterfsd (brick <base>/s1/brick)  server 1
+ kvsg-s2     10.99.0.2     glusterd, glusterfsd (brick <base>/s2/brick)  server 2
+ kvsg-a      10.99.0.11    glusterfs FUSE client -> <base>/mnt/node-a    node A
+ kvsg-b      10.99.0.12    glusterfs FUSE client -> <base>/mnt/node-b    node B
+```
+
+* The volume ``kvstore`` is a plain *distribute* volume over the two bricks (DHT: every file
+  lives on one brick chosen by a hash of its name, so a rename across hash ranges leaves a
+  link file; metadata operations cross the network). Bricks are directories on the local
+  disk (``force``: gluster refuses bricks on the root file system otherwise). Volume options
+  are GlusterFS 10's defaults.
+* Each glusterd runs in its server namespace through ``ip netns exec``, which also gives it a
+  private mount namespace: ``/run/gluster`` and ``/var/log/glusterfs`` are bind-mounted to its
+  own directories, its working directory and CLI socket are set in its own ``glusterd.vol``.
+  The two glusterds are peers (``peer probe 10.99.0.2``). The ``gluster`` CLI talks to
+  server 1 through its socket file (``--glusterd-sock``), from the host.
+* Each FUSE client is started with ``nsenter --net`` (network namespace only): its traffic goes
+  over its node's address, and the mount lands in the host's mount namespace, so it is visible
+  to every process of this machine. Each mount is a separate FUSE superblock with its own
+  kernel dentry/attribute/page caches and its own client-side translators (md-cache,
+  write-behind, ...), so the two mounts behave towards each other like two machines. Node
+  processes of the tests run under ``nsenter --net=<node namespace>`` as well (they need no
+  network; it keeps each node's processes apart).
+* Mount options: :data:`MOUNT_OPTIONS` (documented in ``docs/shared-filesystems.md``).
+
+:func:`start` is idempotent (an environment already up and healthy is reused) and bounded in
+time; :func:`stop` unmounts, stops the processes in these namespaces (by pid, from ``ip netns
+pids``), deletes the namespaces and the base directory. :func:`set_metadata_delay` adds a fixed
+delay to every brick LOOKUP/STAT (GlusterFS's debug/delay-gen), standing in for the network
+round trip between machines in the benchmark. ``python -m tests.scaleout.gluster
+start|stop|status|delay USEC`` does the same for people (``scripts/gluster_env.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from xml.etree import ElementTree
+
+BASE = Path(os.environ.get("KVSTORE_GLUSTER_BASE", "/srv/kvstore-gluster"))
+VOLUME = "kvstore"
+PREFIX = "kvsg-"
+SWITCH = f"{PREFIX}sw"
+SUBNET = "10.99.0"
+SERVERS = (("s1", f"{SUBNET}.1"), ("s2", f"{SUBNET}.2"))
+NODES = (("a", f"{SUBNET}.11"), ("b", f"{SUBNET}.12"))
+# FUSE client options (seconds). entry/attribute: how long a client trusts a cached name or
+# attributes (a block evicted elsewhere stays visible here that long: gc's grace period must
+# exceed it). negative: how long a "no such file" is trusted (a block published on another
+# node stays invisible here that long). 1 s each; GlusterFS's own default negative timeout
+# is 0, the tests use 1 to check that the staleness stays bounded.
+ENTRY_TIMEOUT_S = 1
+ATTRIBUTE_TIMEOUT_S = 1
+NEGATIVE_TIMEOUT_S = 1
+MOUNT_OPTIONS = (
+    f"--entry-timeout={ENTRY_TIMEOUT_S}",
+    f"--attribute-timeout={ATTRIBUTE_TIMEOUT_S}",
+    f"--negative-timeout={NEGATIVE_TIMEOUT_S}",
+)
+APT_PACKAGES = ("glusterfs-server", "glusterfs-client")
+TOOLS = ("glusterd", "glusterfs", "gluster", "ip", "nsenter", "mount", "umount")
+COMMAND_TIMEOUT_S = 30
+START_TIMEOUT_S = 90
+
+
+class GlusterError(RuntimeError):
+    """The environment could not be started (the message says which step and why)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One client machine: a network namespace and the FUSE mount its client made."""
+
+    name: str  # "a", "b"
+    netns: str
+    address: str
+    mount: Path
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this node's network namespace."""
+        return ["nsenter", f"--net=/run/netns/{self.netns}", *argv]
+
+
+@dataclass(frozen=True)
+class GlusterEnv:
+    """A running environment: the volume, its servers, and the two node mounts."""
+
+    base: Path
+    volume: str
+    servers: tuple[tuple[str, str], ...]  # (namespace, address)
+    nodes: tuple[Node, Node]
+    mount_options: tuple[str, ...]
+    local_dir: Path  # a directory on the disk under the bricks (benchmark baseline)
+
+    @property
+    def a(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def b(self) -> Node:
+        return self.nodes[1]
+
+    def describe(self) -> str:
+        servers = ", ".join(f"{ns} {addr}" for ns, addr in self.servers)
+        nodes = ", ".join(f"node {n.name}: {n.netns} {n.address} -> {n.mount}" for n in self.nodes)
+        return (
+            f"GlusterFS volume {self.volume} (distribute, 2 bricks; servers {servers}); "
+            f"{nodes}; mount options {' '.join(self.mount_options)}"
+        )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "base": str(self.base),
+            "volume": self.volume,
+            "servers": [{"netns": ns, "address": a} for ns, a in self.servers],
+            "nodes": [
+                {"name": n.name, "netns": n.netns, "address": n.address, "mount": str(n.mount)}
+                for n in self.nodes
+            ],
+            "mount_options": list(self.mount_options),
+            "local_dir": str(self.local_dir),
+        }
+
+
+def environment(base: Path = BASE) -> GlusterEnv:
+    """The description of the environment under ``base`` (whether running or not)."""
+    nodes = tuple(
+        Node(name, f"{PREFIX}{name}", address, base / "mnt" / f"node-{name}")
+        for name, address in NODES
+    )
+    assert len(nodes) == 2
+    return GlusterEnv(
+        base=base,
+        volume=VOLUME,
+        servers=tuple((f"{PREFIX}{name}", address) for name, address in SERVERS),
+        nodes=(nodes[0], nodes[1]),
+        mount_options=MOUNT_OPTIONS,
+        local_dir=base / "local",
+    )
+
+
+# -- prerequisites ---------------------------------------------------------------------------
+
+
+def unavailable_reason() -> str | None:
+    """Why this machine cannot run the environment, or None if it can (cheap checks)."""
+    if not sys.platform.startswith("linux"):
+        return f"GlusterFS environment needs Linux, this is {sys.platform}"
+    if os.geteuid() != 0:
+        return "GlusterFS environment needs root (network namespaces, FUSE mounts)"
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        return (
+            f"GlusterFS not installed (missing {', '.join(missing)}): "
+            f"apt-get install -y {' '.join(APT_PACKAGES)}"
+        )
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR)
+    except OSError as exc:
+        return f"FUSE not available: /dev/fuse: {exc}"
+    os.close(fd)
+    probe = f"{PREFIX}probe-{os.getpid()}"
+    result = _run(["ip", "netns", "add", probe], check=False)
+    if result.returncode != 0:
+        return f"network namespaces not permitted: ip netns add: {result.stderr.strip()}"
+    _run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+# -- start -----------------------------------------------------------------------------------
+
+
+def start(base: Path = BASE, timeout_s: float = START_TIMEOUT_S) -> GlusterEnv:
+    """Start the environment (or reuse a healthy running one); raises :class:`GlusterError`."""
+    env = environment(base)
+    if healthy(env):
+        return env
+    reason = unavailable_reason()
+    if reason is not None:
+        raise GlusterError(reason)
+    stop(base)  # whatever a crashed run left
+    deadline = time.monotonic() + timeout_s
+    try:
+        _network(env)
+        for name, address in SERVERS:
+            _start_glusterd(env, name, address)
+        for name, _ in SERVERS:
+            sock = base / name / "glusterd.sock"
+            _wait(sock.exists, deadline, f"glusterd of {name} ({sock})")
+        _wait(lambda: _cli(env, "pool", "list", check=False).returncode == 0, deadline, "CLI")
+        for _, address in SERVERS[1:]:
+            _cli(env, "peer", "probe", address)
+        _wait(lambda: _peers_connected(env), deadline, "peers connected")
+        bricks = [f"{address}:{base / name / 'brick'}" for name, address in SERVERS]
+        _cli(env, "volume", "create", VOLUME, "transport", "tcp", *bricks, "force")
+        _cli(env, "volume", "start", VOLUME)
+        _wait(lambda: _bricks_online(env) == len(SERVERS), deadline, "bricks online")
+        for node in env.nodes:
+            _mount(env, node)
+        for node in env.nodes:
+            _wait(lambda n=node: _mounted(n.mount), deadline, f"the mount of node {node.name}")
+        _check_shared(env, deadline)
+        env.local_dir.mkdir(parents=True, exist_ok=True)
+        (base / "env.json").write_text(json.dumps(env.to_json(), indent=1) + "\n")
+    except BaseException as exc:
+        logs = _log_tail(base)
+        stop(base)
+        if not isinstance(exc, Exception):
+            raise
+        raise GlusterError(f"{exc}{logs}") from exc
+    return env
+
+
+def _network(env: GlusterEnv) -> None:
+    names = [SWITCH, *(ns for ns, _ in env.servers), *(n.netns for n in env.nodes)]
+    for ns in names:
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+    _run(["ip", "-n", SWITCH, "link", "add", "br0", "type", "bridge"])
+    _run(["ip", "-n", SWITCH, "link", "set", "br0", "up"])
+    peers = [*env.servers, *((n.netns, n.address) for n in env.nodes)]
+    for i, (ns, address) in enumerate(peers):
+        port = f"p{i}"
+        _run(["ip", "-n", SWITCH, "link", "add", port, "type", "veth", "peer", "eth0", "netns", ns])
+        _run(["ip", "-n", SWITCH, "link", "set", port, "master", "br0", "up"])
+        _run(["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0"])
+        _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+
+
+def _start_glusterd(env: GlusterEnv, name: str, address: str) -> None:
+    home = env.base / name
+    for sub in ("lib", "run", "log", "brick"):
+        (home / sub).mkdir(parents=True, exist_ok=True)
+    (home / "glusterd.vol").write_text(
+        "volume management\n"
+        "    type mgmt/glusterd\n"
+        f"    option working-directory {home / 'lib'}\n"
+        f"    option glusterd-sockfile {home / 'glusterd.sock'}\n"
+        "    option transport-type socket\n"
+        "    option transport.socket.listen-port 24007\n"
+        f"    option transport.socket.bind-address {address}\n"
+        "    option transport.socket.keepalive-time 10\n"
+        "    option transport.socket.keepalive-interval 2\n"
+        "    option transport.socket.read-fail-log off\n"
+        "    option ping-timeout 0\n"
+        "    option event-threads 1\n"
+        "    option max-port 60999\n"
+        "end-volume\n"
+    )
+    Path("/run/gluster").mkdir(parents=True, exist_ok=True)
+    Path("/var/log/glusterfs").mkdir(parents=True, exist_ok=True)
+    # ip netns exec gives the shell a private (slave) mount namespace: the bind mounts below
+    # are seen by this glusterd and the brick processes it starts, nobody else.
+    script = (
+        f"mount --bind {home / 'run'} /run/gluster && "
+        f"mount --bind {home / 'log'} /var/log/glusterfs && "
+        f"exec glusterd -f {home / 'glusterd.vol'} -p {home / 'glusterd.pid'} "
+        f"-l {home / 'log' / 'glusterd.log'}"
+    )
+    _run(["ip", "netns", "exec", f"{PREFIX}{name}", "sh", "-c", script])
+
+
+def _cli(env: GlusterEnv, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    sock = env.base / SERVERS[0][0] / "glusterd.sock"
+    argv = [
+        "gluster",
+        "--mode=script",
+        f"--glusterd-sock={sock}",
+        f"--log-file={env.base / 'cli.log'}",
+        *args,
+    ]
+    return _run(argv, check=check)
+
+
+def _peers_connected(env: GlusterEnv) -> bool:
+    out = _cli(env, "peer", "status", check=False).stdout
+    return out.count("Peer in Cluster (Connected)") == len(SERVERS) - 1
+
+
+def _bricks_online(env: GlusterEnv) -> int:
+    out = _cli(env, "--xml", "volume", "status", VOLUME, check=False).stdout
+    try:
+        nodes = ElementTree.fromstring(out).iter("node")
+    except ElementTree.ParseError:
+        return 0
+    return sum(1 for node in nodes if node.findtext("status") == "1")
+
+
+def _mount(env: GlusterEnv, node: Node) -> None:
+    node.mount.mkdir(parents=True, exist_ok=True)
+    home = env.base / f"node-{node.name}"
+    home.mkdir(parents=True, exist_ok=True)
+    servers = [f"--volfile-server={address}" for _, address in env.servers]
+    argv = [
+        "glusterfs",
+        *servers,
+        f"--volfile-id={VOLUME}",
+        f"--log-file={home / 'client.log'}",
+        f"--pid-file={home / 'client.pid'}",
+        *env.mount_options,
+        str(node.mount),
+    ]
+    _run(node.command(argv))
+
+
+def _mounted(path: Path) -> bool:
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                sep = fields.index("-")
+                if fields[4] == str(path) and fields[sep + 1] == "fuse.glusterfs":
+                    return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def _check_shared(env: GlusterEnv, deadline: float) -> None:
+    """A file written through node A's mount reads back through node B's, and each node can
+    create a directory (DHT creates directories on every brick: all connections are up)."""
+    token = f"{os.getpid()}-{time.time_ns()}"
+    probe_a = env.a.mount / f".kvsg-check-{token}"
+    probe_b = env.b.mount / probe_a.name
+    script = (
+        f"echo {token} > {probe_a} && cat {probe_b} && "
+        f"mkdir {probe_a}.d && rmdir {probe_a}.d && mkdir {probe_b}.e && rmdir {probe_b}.e"
+    )
+    while True:
+        ok = _timed(["sh", "-c", script], 10)
+        _timed(["rm", "-rf", str(probe_a), f"{probe_a}.d", f"{probe_b}.e"], 10)
+        if ok is not None and ok.strip() == token:
+            return
+        if time.monotonic() > deadline:
+            raise GlusterError("the two nodes do not share the volume (or a brick is down)")
+        time.sleep(0.2)
+
+
+def set_metadata_delay(env: GlusterEnv, usec: int, timeout_s: float = 60) -> None:
+    """Delay every LOOKUP and STAT on the bricks by ``usec`` microseconds (0: none).
+
+    GlusterFS's debug/delay-gen translator, below each brick: it stands in for the network
+    round trip to a server on another machine, which a single machine lacks (veth pairs answer
+    in microseconds). The bricks restart to load it; the FUSE clients reconnect by themselves.
+    """
+    if usec:
+        for key, value in (
+            ("debug.delay-gen", "posix"),
+            ("delay-gen.delay-percentage", "100"),
+            ("delay-gen.delay-duration", str(usec)),
+            ("delay-gen.enable", "lookup,stat"),
+        ):
+            _cli(env, "volume", "set", VOLUME, key, value)
+    else:
+        for key in ("debug.delay-gen", "delay-gen.delay-duration", "delay-gen.enable"):
+            _cli(env, "volume", "reset", VOLUME, key, check=False)
+    _cli(env, "volume", "stop", VOLUME)
+    _cli(env, "volume", "start", VOLUME)
+    deadline = time.monotonic() + timeout_s
+    _wait(lambda: _bricks_online(env) == len(SERVERS), deadline, "bricks online")
+    _check_shared(env, deadline)
+
+
+# -- health and stop -------------------------------------------------------------------------
+
+
+def healthy(env: GlusterEnv) -> bool:
+    """Both mounts are up and answer within a few seconds (a hung FUSE mount is not healthy)."""
+    if not all(_mounted(n.mount) for n in env.nodes):
+        return False
+    return all(_timed(["stat", "-f", str(n.mount)], 5) is not None for n in env.nodes)
+
+
+def stop(base: Path = BASE, *, keep_data: bool = False) -> None:
+    """Tear everything down: mounts, processes in our namespaces, namespaces, files."""
+    env = environment(base)
+    for node in env.nodes:
+        if _mounted(node.mount) and _run(["umount", str(node.mount)], check=False).returncode:
+            _run(["umount", "-l", str(node.mount)], check=False)  # busy: detach it now
+    ours = [SWITCH, *(ns for ns, _ in env.servers), *(n.netns for n in env.nodes)]
+    existing = set(_run(["ip", "netns", "list"], check=False).stdout.split())
+    ours = [ns for ns in ours if ns in existing]
+    pids = [pid for ns in ours for pid in _netns_pids(ns)]
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _alive(p)]
+        time.sleep(0.1)
+    _signal_all(pids, signal.SIGKILL)
+    for ns in ours:
+        _run(["ip", "netns", "del", ns], check=False)
+    if not keep_data and base.exists():
+        for node in env.nodes:  # never delete through a mount that is somehow still there
+            if _mounted(node.mount):
+                raise GlusterError(f"{node.mount} is still mounted; not deleting {base}")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _netns_pids(ns: str) -> list[int]:
+    out = _run(["ip", "netns", "pids", ns], check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def _signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+
+def _run(
+    argv: Sequence[str], *, check: bool = True, timeout: float = COMMAND_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    try:
+        result = subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise GlusterError(f"{' '.join(argv)}: no answer in {timeout:.0f} s") from exc
+    if check and result.returncode != 0:
+        said = (result.stderr or result.stdout).strip()
+        raise GlusterError(f"{' '.join(argv)}: exit {result.returncode}: {said}")
+    return result
+
+
+def _timed(argv: Sequence[str], timeout: float) -> str | None:
+    """stdout of ``argv`` if it succeeds within ``timeout`` (in a child: a hung FUSE call
+    blocks the child, not this process), else None."""
+    try:
+        result = subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def _wait(predicate: object, deadline: float, what: str) -> None:
+    assert callable(predicate)
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise GlusterError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _log_tail(base: Path, lines: int = 5) -> str:
+    parts = []
+    for log in sorted(base.glob("*/log/glusterd.log")) + sorted(base.glob("node-*/client.log")):
+        with contextlib.suppress(OSError):
+            errors = [ln for ln in log.read_text().splitlines() if "] E [" in ln]
+            if errors:
+                parts.append(f"\n  {log}: " + "\n    ".join(errors[-lines:]))
+    return "".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.scaleout.gluster", description=__doc__)
+    parser.add_argument("action", choices=["start", "stop", "status", "delay"])
+    parser.add_argument("usec", nargs="?", type=int, default=0, help="delay: microseconds")
+    parser.add_argument("--base", type=Path, default=BASE, help=f"state directory ({BASE})")
+    parser.add_argument("--json", action="store_true", help="print the environment as JSON")
+    args = parser.parse_args(argv)
+    env = environment(args.base)
+    if args.action == "stop":
+        stop(args.base)
+        print(f"stopped; removed {args.base}")
+        return 0
+    if args.action == "delay":
+        if not healthy(env):
+            print("not running", file=sys.stderr)
+            return 1
+        set_metadata_delay(env, args.usec)
+        print(f"brick LOOKUP/STAT delay: {args.usec} us")
+        return 0
+    if args.action == "start":
+        try:
+            env = start(args.base)
+        except GlusterError as exc:
+            print(f"gluster environment: {exc}", file=sys.stderr)
+            return 1
+    elif not healthy(env):
+        print("not running", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(env.to_json(), indent=1))
+    else:
+        print(env.describe())
+        for node in env.nodes:
+            print(
+                f"node {node.name}: {node.mount}  (run node processes with: "
+                f"{' '.join(node.command(['<command>']))})"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

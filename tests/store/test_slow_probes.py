@@ -1,0 +1,69 @@
+"""``contains`` on a slow (shared) file system: probes spread over the I/O threads.
+
+A FileIO whose ``exists`` takes a millisecond stands in for a network round trip. The batch
+must then run on several threads, give the same answers as one thread would, turn I/O errors
+into misses (counted, logged once), and count every probe exactly once.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import pytest
+
+from kvstore.errors import KvstoreError
+from kvstore.io.fileio import FileIO
+from kvstore.store import group_store
+from kvstore.store.types import BlockWrite
+from tests.helpers import StoreFactory, block_bytes, block_hash, make_small_identity
+
+
+class SlowFileIO(FileIO):
+    def __init__(self, delay_s: float, failing: set[str]) -> None:
+        self.delay_s = delay_s
+        self.failing = failing
+        self.threads: set[str] = set()
+        self._lock = threading.Lock()
+
+    def exists(self, path: str) -> bool:
+        with self._lock:
+            self.threads.add(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        if path in self.failing:
+            raise OSError(errno.EIO, "injected", path)
+        return super().exists(path)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.001])
+def test_contains_answers_alike_serial_or_threaded(
+    make_store: StoreFactory, delay_s: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    identity = make_small_identity()
+    writer = make_store().namespace(identity).group(0)
+    hashes = [block_hash(i, "probe") for i in range(64)]
+    stored = hashes[::3]
+    writer.write_blocks(
+        [BlockWrite(h, block_bytes(writer.layout, i)) for i, h in enumerate(stored)]
+    )
+    failing = {writer.path_of(h) for h in hashes[1::7]}
+    fio = SlowFileIO(delay_s, failing)
+    store = make_store(fio=fio, io_threads=4)
+    group = store.namespace(identity).group(0)
+    before = store.stats.snapshot()
+    found = group.contains(hashes)
+    after = store.stats.snapshot()
+    expected = [h in set(stored) and group.path_of(h) not in failing for h in hashes]
+    assert found == expected
+    assert after["probes"] - before["probes"] == len(hashes)
+    assert after["read_errors"] - before["read_errors"] == len(failing)
+    assert sum("existence probes" in r.getMessage() for r in caplog.records) == 1
+    if delay_s > group_store.SLOW_PROBE_S:  # (a fast one may still be slow on a busy machine)
+        assert any(name.startswith("kvstore-io") for name in fio.threads), fio.threads
+
+
+def test_contains_rejects_a_bad_hash_on_any_path(make_store: StoreFactory) -> None:
+    group = make_store(fio=SlowFileIO(0.001, set())).namespace(make_small_identity()).group(0)
+    with pytest.raises(KvstoreError):
+        group.contains([block_hash(i) for i in range(8)] + [b"short"])

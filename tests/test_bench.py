@@ -1,0 +1,74 @@
+"""The benchmark front-end runs every suite end to end on tiny data (a smoke test: figures are
+not checked, only that each suite measures, renders a table, a markdown page and its plots)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvstore import bench
+from kvstore.bench_common import kv_like_block
+
+TINY = [
+    "--block-tokens", "16", "--gib", "0.01", "--repeat", "1", "--threads", "2",
+    "--systems", "kvstore,kvstore-direct,raw,safetensors",
+    "--store-blocks", "1500", "--store-sizes", "1200,1500",
+    "--layouts", "tp=2:tp=1", "--layout-gib", "0.01",
+    "--scaling-threads", "1,2", "--scaling-tokens", "16", "--scaling-gib", "0.01",
+    "--compression-gib", "0.01", "--overhead-blocks", "50", "--durability", "none",
+]  # fmt: skip
+
+
+def test_every_suite_runs_and_renders(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    page = tmp_path / "docs" / "performance.md"
+    saved = tmp_path / "report.json"
+    argv = [*TINY, "--root", str(tmp_path / "scratch"), "--json", "--markdown", str(page)]
+    assert bench.main([*argv, "--save-json", str(saved)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["suites"]) == set(bench.SUITES)
+    throughput = report["suites"]["throughput"]["configs"][0]
+    assert set(throughput["systems"]) == {"kvstore", "kvstore-direct", "raw", "safetensors"}
+    assert throughput["ratios"]["kvstore"]["raw"]["write"] > 0
+    lookups = report["suites"]["lookup"]["lookups"]
+    assert [lk["chain_blocks"] for lk in lookups] == [1024]
+    assert [c["store_blocks"] for c in report["suites"]["scaling"]["by_store_size"]] == [
+        1200,
+        1500,
+    ]
+    assert {row["compression"] for row in report["suites"]["compression"]["store"]} == {
+        "none",
+        "lz4",
+        "zstd-1",
+        "zstd-3",
+    }
+    assert any(t["what"].startswith("lookup") for t in report["targets"])
+    text = page.read_text()
+    assert "python scripts/bench.py" in text and "## Compression" in text
+    for png in ("perf_throughput.png", "perf_lookup.png", "perf_compression.png"):
+        assert (page.parent / png).stat().st_size > 1000
+        assert f"]({png})" in text
+    # The page can be re-rendered from the saved report without running anything.
+    page.unlink()
+    assert bench.main(["--render", str(saved), "--markdown", str(page)]) == 0
+    assert "## Lookup" in page.read_text()
+    assert not (tmp_path / "scratch" / "lookup-store").exists()  # scratch cleaned up
+
+
+def test_unknown_suite_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--suite", "throughput,nonsense"])
+    assert "nonsense" in capsys.readouterr().err
+
+
+def test_layout_pairs_with_commas() -> None:
+    assert bench._pairs("tp=4:tp=2,pp=2,tp=1:tp=8") == ["tp=4:tp=2,pp=2", "tp=1:tp=8"]
+    assert bench._pairs("tp=4:tp=2,pp=2;tp=1:pp=2") == ["tp=4:tp=2,pp=2", "tp=1:pp=2"]
+
+
+def test_kv_like_values_are_bf16_with_structure() -> None:
+    data = kv_like_block(2, 3, 16, 64, seed=1).view("<u2")
+    assert data.size == 2 * 3 * 16 * 2 * 64
+    exponents = (data >> 7) & 0xFF
+    assert 4 < len(set(exponents.tolist())) < 64  # realistic magnitudes, not uniform bits
