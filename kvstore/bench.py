@@ -46,6 +46,9 @@ from kvstore import (
 from kvstore.bench_common import DATA_NOTE
 
 SUITES = ("throughput", "lookup", "layouts", "scaling", "compression", "overhead")
+# The default run: the store against the raw floor, lookup and per-block overhead, in about a
+# minute on the 2-core reference machine; the other suites with --suite or --full.
+QUICK_SUITES = ("throughput", "lookup", "overhead")
 
 # Parameters: (default run, --full run). An explicit flag overrides both.
 PRESETS: dict[str, tuple[Any, Any]] = {
@@ -91,7 +94,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="bench", description=(__doc__ or "").split("\n\n")[0], allow_abbrev=False
     )
-    parser.add_argument("--suite", default=",".join(SUITES), help=f"comma list of {SUITES}")
+    parser.add_argument(
+        "--suite",
+        default=None,
+        help=f"comma list of {SUITES} or 'all' (default: {','.join(QUICK_SUITES)}; --full: all)",
+    )
     parser.add_argument("--full", action="store_true", help="the big runs of docs/performance.md")
     parser.add_argument(
         "--root", type=Path, default=None, help="scratch directory (default ./bench-scratch)"
@@ -134,7 +141,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name, (small, full) in PRESETS.items():
         if getattr(args, name) is None:
             setattr(args, name, full if args.full else small)
-    suites = _names(args.suite)
+    if args.suite is None:
+        args.suite = ",".join(SUITES if args.full else QUICK_SUITES)
+    suites = list(SUITES) if args.suite == "all" else _names(args.suite)
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         parser.error(f"--suite: unknown {unknown}; expected names from {list(SUITES)}")
