@@ -97,6 +97,30 @@ def check_block_file(
     return check_block_bytes(memoryview(buf), layout, namespace_digest, group, hi, lo)
 
 
+def _placed_header(
+    data: memoryview, layout: ShardLayout, namespace_digest: bytes, group: int, hi: int, lo: int
+) -> tuple[BlockHeader | None, BlockFault | None]:
+    """The decoded header, or why the file does not belong where it was found."""
+    try:
+        header = fmt.decode_header(data[: layout.header_nbytes])
+    except CorruptBlockError as exc:
+        return None, BlockFault(CORRUPT, str(exc))
+    coords = hash_coords(header.block_hash)
+    if coords != (hi, lo):
+        return None, BlockFault(
+            MIS_KEYED,
+            f"hash coordinates: expected {hi}/{lo} (the path), header hash "
+            f"{header.block_hash.hex()[:16]}… has {coords[0]}/{coords[1]}",
+        )
+    if header.namespace_digest != namespace_digest or header.group != group:
+        return None, BlockFault(
+            MISPLACED,
+            f"expected namespace {namespace_digest.hex()[:12]} group {group}, header has "
+            f"{header.namespace_digest.hex()[:12]} group {header.group}",
+        )
+    return header, None
+
+
 def _check_compressed(
     data: memoryview,
     layout: ShardLayout,
@@ -107,23 +131,9 @@ def _check_compressed(
     lo: int,
 ) -> BlockFault | None:
     """:func:`check_block_file` for a block of a compressed array."""
-    try:
-        header = fmt.decode_header(data[: layout.header_nbytes])
-    except CorruptBlockError as exc:
-        return BlockFault(CORRUPT, str(exc))
-    coords = hash_coords(header.block_hash)
-    if coords != (hi, lo):
-        return BlockFault(
-            MIS_KEYED,
-            f"hash coordinates: expected {hi}/{lo} (the path), header hash "
-            f"{header.block_hash.hex()[:16]}… has {coords[0]}/{coords[1]}",
-        )
-    if header.namespace_digest != namespace_digest or header.group != group:
-        return BlockFault(
-            MISPLACED,
-            f"expected namespace {namespace_digest.hex()[:12]} group {group}, header has "
-            f"{header.namespace_digest.hex()[:12]} group {header.group}",
-        )
+    header, fault = _placed_header(data, layout, namespace_digest, group, hi, lo)
+    if fault is not None or header is None:
+        return fault
     try:
         check_compressed_file(data, layout, codec, namespace_digest, group)
     except (CorruptBlockError, StoreFormatError) as exc:
@@ -135,23 +145,9 @@ def check_block_bytes(
     data: memoryview, layout: ShardLayout, namespace_digest: bytes, group: int, hi: int, lo: int
 ) -> BlockFault | None:
     """:func:`check_block_file` on bytes already read (``len(data) == layout.file_nbytes``)."""
-    try:
-        header = fmt.decode_header(data[: layout.header_nbytes])
-    except CorruptBlockError as exc:
-        return BlockFault(CORRUPT, str(exc))
-    coords = hash_coords(header.block_hash)
-    if coords != (hi, lo):
-        return BlockFault(
-            MIS_KEYED,
-            f"hash coordinates: expected {hi}/{lo} (the path), header hash "
-            f"{header.block_hash.hex()[:16]}… has {coords[0]}/{coords[1]}",
-        )
-    if header.namespace_digest != namespace_digest or header.group != group:
-        return BlockFault(
-            MISPLACED,
-            f"expected namespace {namespace_digest.hex()[:12]} group {group}, header has "
-            f"{header.namespace_digest.hex()[:12]} group {header.group}",
-        )
+    header, fault = _placed_header(data, layout, namespace_digest, group, hi, lo)
+    if fault is not None or header is None:
+        return fault
     try:
         fmt.check_header(header, layout, namespace_digest, group, header.block_hash)
     except CorruptBlockError as exc:
