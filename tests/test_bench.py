@@ -24,7 +24,16 @@ TINY = [
 def test_every_suite_runs_and_renders(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     page = tmp_path / "docs" / "performance.md"
     saved = tmp_path / "report.json"
-    argv = [*TINY, "--root", str(tmp_path / "scratch"), "--json", "--markdown", str(page)]
+    argv = [
+        *TINY,
+        "--suite",
+        "all",
+        "--root",
+        str(tmp_path / "scratch"),
+        "--json",
+        "--markdown",
+        str(page),
+    ]
     assert bench.main([*argv, "--save-json", str(saved)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["suites"]) == set(bench.SUITES)
