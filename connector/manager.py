@@ -85,7 +85,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             g.index: tuple(range(g.layout.num_chunks)) if commit_checksum_all else ()
             for g in namespace.groups
         }
-        self._checksum_algo = checksum_id(store.config.checksum)
+        self._checksum_algo = checksum_id(store.checksum)
         self._now = monotonic
         self._pool = ThreadPoolExecutor(options.probe_threads, thread_name_prefix="kvstore-probe")
         self._present: OrderedDict[bytes, None] = OrderedDict()

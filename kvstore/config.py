@@ -25,7 +25,10 @@ from kvstore.errors import ConfigError
 
 Durability = Literal["full", "none"]
 DirectIO = Literal["auto", "on", "off"]
-ChecksumName = Literal["xxh3_64", "crc32c"]
+ChecksumName = Literal["auto", "xxh3_64", "crc32c", "wsum64"]
+IOMode = Literal["auto", "gds", "pinned", "host"]
+# Algorithms a GPU computes where the bytes are (kvstore/checksum.py DEVICE_ALGOS by name).
+DEVICE_CHECKSUMS = ("wsum64",)
 
 ENV_PREFIX = "KVSTORE_"
 
@@ -53,7 +56,14 @@ class StoreConfig:
     # again instead of the page cache. See docs/performance.md.
     direct_reads: bool = False
     # Checksum algorithm written into new block headers (readers accept every known one).
-    checksum: ChecksumName = "xxh3_64"
+    # "auto": xxh3_64 for the host and pinned engines (fastest on a CPU), wsum64 for the gds
+    # engine (computed on the GPU, no host round trip); see resolved_checksum().
+    checksum: ChecksumName = "auto"
+    # Which engine moves bytes between memory and files (docs/engines.md): "auto" probes once
+    # (CUDA, kvikio, cuFile on this filesystem, O_DIRECT) and logs one line naming the choice;
+    # "gds" (kvikio/cuFile from device memory), "pinned" (device pages staged through pinned
+    # host buffers), "host" (host memory only) are forced, and an unusable one is an error.
+    io_mode: IOMode = "auto"
     # Verify every inner chunk read against its header checksum. The header itself (magic,
     # namespace, key, geometry) is always verified.
     verify_reads: bool = True
@@ -77,6 +87,12 @@ class StoreConfig:
         _check_choice("durability", self.durability, Durability)
         _check_choice("direct_io", self.direct_io, DirectIO)
         _check_choice("checksum", self.checksum, ChecksumName)
+        _check_choice("io_mode", self.io_mode, IOMode)
+        if self.io_mode == "gds" and self.checksum not in ("auto", *DEVICE_CHECKSUMS):
+            raise ConfigError(
+                f"io_mode='gds' with checksum={self.checksum!r}: the gds engine computes "
+                f"checksums on the GPU, expected checksum in {['auto', *DEVICE_CHECKSUMS]}"
+            )
         check_compression(self.compression)
         if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool):
             raise ConfigError(f"io_threads: expected an int, got {self.io_threads!r}")
@@ -103,6 +119,12 @@ class StoreConfig:
     def dir_mode(self) -> int:
         """Permission bits of created directories."""
         return 0o770 if self.group_access else 0o700
+
+    def resolved_checksum(self, engine: str) -> str:
+        """The algorithm new blocks get under the engine named ``engine`` ("gds", ...)."""
+        if self.checksum != "auto":
+            return self.checksum
+        return "wsum64" if engine == "gds" else "xxh3_64"
 
     @property
     def durable(self) -> bool:

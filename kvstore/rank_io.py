@@ -17,8 +17,11 @@ I/O volume: a TP or PP rank reads exactly its share. A DCP rank holds part of ev
 of its chunks but checksums cover whole chunks, so it reads whole chunks (``dcp`` times its
 share) - the price of verifying every byte it serves.
 
-The staging buffers are host tensors; with CUDA tensors the gather/scatter runs on the device
-and the staging copy crosses PCIe (the pinned and GPUDirect engines replace this path).
+Staging comes from the store's engine (:mod:`kvstore.io.staging`, ``group.staging``): one
+batched gather per batch into host rows (host engine), into pooled pinned rows on a side stream
+with one event per batch (pinned engine), or into device rows handed to the GDS engine as they
+are; loads read into the same kind of rows and scatter them back (H2D on a side stream for
+pinned rows). With CPU tensors every kind behaves like host rows.
 """
 
 from __future__ import annotations
@@ -146,18 +149,24 @@ class RankIO:
         results: list[BaseException | None] = [None] * len(pendings)
         if not mine or self.mapping.share_bytes == 0:
             return results
-        staging = torch.empty(len(mine), self.mapping.share_bytes, dtype=torch.uint8)
         ids = [block_ids[i] for i in mine]
         device = local_tensors[0].device if local_tensors else torch.device("cpu")
-        if device.type == "cpu":
-            gather_blocks(self.mapping, local_tensors, ids, staging)
-        else:
-            staged = torch.empty(
-                len(mine), self.mapping.share_bytes, dtype=torch.uint8, device=device
-            )
-            gather_blocks(self.mapping, local_tensors, ids, staged)
-            staging.copy_(staged)
-        rows = staging.numpy()
+        with self.group.staging.store_rows(
+            len(mine),
+            self.mapping.share_bytes,
+            device,
+            lambda out: gather_blocks(self.mapping, local_tensors, ids, out),
+        ) as staged:
+            errors = self._write_rows(staged.rows, pendings, mine)
+        for i, error in zip(mine, errors, strict=True):
+            results[i] = error
+        return results
+
+    def _write_rows(
+        self, staged: torch.Tensor, pendings: Sequence[PendingBlock], mine: Sequence[int]
+    ) -> list[BaseException | None]:
+        """Write staged share rows (host numpy views, or device tensors for a GDS engine)."""
+        rows: np.ndarray | torch.Tensor = staged if self.group.staging.on_device else staged.numpy()
         if self.commit_checksum_chunks:
             errors = self.group.write_ranges(
                 [
@@ -180,9 +189,7 @@ class RankIO:
             errors = self.group.write_chunks(
                 [ChunkWrite(pendings[i], chunks, rows[row]) for row, i in enumerate(mine)]
             )
-        for i, error in zip(mine, errors, strict=True):
-            results[i] = error
-        return results
+        return errors
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -203,19 +210,26 @@ class RankIO:
         if self.mapping.share_bytes == 0:  # a stage holding none of this group's layers
             present = self.group.contains(block_hashes)
             return [ReadResult(ReadStatus.HIT if p else ReadStatus.MISS) for p in present]
-        chunk_buf = torch.empty(n, self.read_nbytes, dtype=torch.uint8)
-        rows = chunk_buf.numpy()
-        results = self.group.read_blocks(
-            [BlockRead(h, rows[i], self.read_chunks) for i, h in enumerate(block_hashes)]
-        )
-        hits = [i for i, r in enumerate(results) if r.ok]
-        if not hits:
-            return results
-        hit_rows = chunk_buf[hits] if len(hits) < n else chunk_buf
-        share = hit_rows if self._extract is None else _extract_share(hit_rows, self._extract)
-        ids = [block_ids[i] for i in hits]
         device = local_tensors[0].device if local_tensors else torch.device("cpu")
-        scatter_blocks(self.mapping, share.to(device), local_tensors, ids)
+        staging = self.group.staging
+        with staging.load_rows(n, self.read_nbytes, device) as staged:
+            chunk_buf = staged.rows
+            rows: np.ndarray | torch.Tensor = chunk_buf if staging.on_device else chunk_buf.numpy()
+            results = self.group.read_blocks(
+                [BlockRead(h, rows[i], self.read_chunks) for i, h in enumerate(block_hashes)]
+            )
+            hits = [i for i, r in enumerate(results) if r.ok]
+            if not hits:
+                return results
+            ids = [block_ids[i] for i in hits]
+            extract = self._extract
+
+            def consume(on_device: torch.Tensor) -> None:
+                share = on_device if extract is None else _extract_share(on_device, extract)
+                scatter_blocks(self.mapping, share, local_tensors, ids)
+
+            hit_rows = chunk_buf[hits] if len(hits) < n else chunk_buf
+            staging.deliver(hit_rows, consume, device)
         return results
 
 
@@ -267,4 +281,5 @@ def _share_extract(
 def _extract_share(chunk_rows: torch.Tensor, extract: _ShareExtract) -> torch.Tensor:
     n = chunk_rows.shape[0]
     units = chunk_rows.reshape(n, -1, extract.unit)
-    return units.index_select(1, extract.index).reshape(n, -1)
+    index = extract.index.to(chunk_rows.device)  # no copy on the CPU
+    return units.index_select(1, index).reshape(n, -1)

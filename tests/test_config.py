@@ -17,6 +17,7 @@ FIELDS = [
     "direct_reads",
     "durability",
     "group_access",
+    "io_mode",
     "io_threads",
     "quarantine",
     "root",
@@ -31,7 +32,8 @@ def test_defaults() -> None:
     assert config.durability == "full"
     assert config.durable is True
     assert config.direct_io == "auto"
-    assert config.checksum == "xxh3_64"
+    assert config.checksum == "auto"
+    assert config.io_mode == "auto"
     assert config.verify_reads is True
     assert config.quarantine is True
     assert config.access_granularity_s == 60
@@ -117,7 +119,16 @@ def test_unknown_key_names_the_accepted_keys() -> None:
             "durability: expected one of ['full', 'none'], got 'sometimes'",
         ),
         ("direct_io", "yes", "direct_io: expected one of ['auto', 'on', 'off'], got 'yes'"),
-        ("checksum", "md5", "checksum: expected one of ['xxh3_64', 'crc32c'], got 'md5'"),
+        (
+            "checksum",
+            "md5",
+            "checksum: expected one of ['auto', 'xxh3_64', 'crc32c', 'wsum64'], got 'md5'",
+        ),
+        (
+            "io_mode",
+            "cuda",
+            "io_mode: expected one of ['auto', 'gds', 'pinned', 'host'], got 'cuda'",
+        ),
         ("checksum", 1, "checksum: expected a string, got 1"),
         ("access_granularity_s", "-1", "access_granularity_s: expected an int >= 0, got -1"),
         ("access_granularity_s", 1.5, "access_granularity_s: expected an int, got 1.5"),
@@ -197,3 +208,32 @@ def test_from_env_bad_value() -> None:
 def test_bool_is_not_an_int_for_access_granularity() -> None:
     with pytest.raises(ConfigError, match="access_granularity_s"):
         StoreConfig(access_granularity_s=True)
+
+
+@pytest.mark.parametrize(
+    ("checksum", "engine", "expected"),
+    [
+        ("auto", "host", "xxh3_64"),
+        ("auto", "pinned", "xxh3_64"),
+        ("auto", "gds", "wsum64"),
+        ("crc32c", "pinned", "crc32c"),
+        ("wsum64", "host", "wsum64"),
+        ("wsum64", "gds", "wsum64"),
+    ],
+)
+def test_auto_checksum_resolves_per_engine(checksum: str, engine: str, expected: str) -> None:
+    assert StoreConfig(checksum=checksum).resolved_checksum(engine) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("checksum", ["xxh3_64", "crc32c"])
+def test_forced_gds_with_a_host_checksum_is_refused(checksum: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.from_mapping({"io_mode": "gds", "checksum": checksum})
+    message = str(info.value)
+    assert f"io_mode='gds' with checksum={checksum!r}" in message
+    assert "expected checksum in ['auto', 'wsum64']" in message
+
+
+def test_io_mode_from_env() -> None:
+    config = StoreConfig.from_env(environ={"KVSTORE_IO_MODE": "pinned"})
+    assert config.io_mode == "pinned"

@@ -4,7 +4,7 @@ Contract (every method takes and returns batches; one bad block never fails its 
 
 * :meth:`GroupStore.contains` - which hashes have a published block.
 * :meth:`GroupStore.longest_prefix` - how many leading blocks of a hash chain are present.
-* :meth:`GroupStore.write_blocks` - write whole blocks from host memory, publish atomically.
+* :meth:`GroupStore.write_blocks` - write whole blocks, publish atomically.
 * :meth:`GroupStore.begin_blocks`, :meth:`write_chunks`, :meth:`write_ranges`,
   :meth:`commit_blocks`, :meth:`abort_blocks` - the multi-writer protocol of DESIGN.md §4:
   every writer (rank) fills the same temporary file at fixed offsets, one party publishes.
@@ -13,6 +13,14 @@ Contract (every method takes and returns batches; one bad block never fails its 
   the key and each chunk against its checksum. A missing, short, mis-keyed, foreign or corrupt
   block is a miss: one log line, counted, quarantined, never served.
 * :meth:`GroupStore.delete_blocks`, :meth:`iter_blocks`, :meth:`read_header`.
+
+Data and read buffers are host memory (anything with the buffer protocol) or uint8-viewable
+``torch.Tensor`` objects. With an engine that takes device segments (GDS) a tensor stays where
+it is: its checksums are computed on its device (``wsum64``) and its bytes move by cuFile; a
+device read is verified on the device when the block's algorithm allows it, otherwise its
+chunks are copied to the host for verification (logged once per store). With the other
+engines a tensor is copied to host memory first (the efficient batched staging of device pages
+is :class:`kvstore.rank_io.RankIO`'s, through the engine's :mod:`kvstore.io.staging`).
 
 Published block files are immutable: they appear by ``rename`` of a complete, synced temporary
 file and are only ever removed, so a reader never sees a partial block. A crash leaves only
@@ -27,18 +35,29 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from kvstore.checksum import checksum_chunks, checksum_function, checksum_id
+from kvstore.checksum import (
+    DEVICE_ALGOS,
+    NAMES,
+    checksum_chunks,
+    checksum_function,
+    checksum_id,
+    checksum_tensor_rows,
+)
 from kvstore.errors import BlockMissingError, CorruptBlockError, KvstoreError, StoreFormatError
 from kvstore.identity import GroupSpec
 from kvstore.io.buffers import ThreadStaging, is_aligned
+from kvstore.io.engine import AnySegment, Data, Engine, device_engine
 from kvstore.io.fileio import sync_parents
-from kvstore.io.host import HostEngine, Segment
+from kvstore.io.host import Segment
+from kvstore.io.staging import HostStaging, Staging
 from kvstore.keys import check_hash, chunk_key
 from kvstore.store import format as fmt
 from kvstore.store.compression import Codec, CompressedShards
@@ -63,6 +82,8 @@ TMP_MARK = ".tmp-"
 SLOW_PROBE_S = 50e-6  # an existence probe slower than this is a network round trip
 MAX_RANGE_WRITERS = 4096  # completion-marker bytes a pending file may carry past its end
 _ZEROS = memoryview(bytes(fmt.ALIGN))
+# Engines whose store already logged a device read verified through the host (once per store).
+_HOST_VERIFY_LOGGED: weakref.WeakSet[object] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -88,7 +109,7 @@ class GroupStore:
         spec: GroupSpec,
         layout: ShardLayout,
         array_path: Path,
-        engine: HostEngine,
+        engine: Engine,
         leading_dims: int,
         stats: StoreStats,
         checksum: str,
@@ -96,6 +117,7 @@ class GroupStore:
         quarantine_dir: Path | None,
         read_only: bool = False,
         compression: str = "none",
+        staging: Staging | None = None,
     ) -> None:
         self.namespace = namespace
         self.namespace_digest = namespace_digest
@@ -104,6 +126,10 @@ class GroupStore:
         self.layout = layout
         self.array_path = array_path
         self.engine = engine
+        # Device-segment engine (GDS) or None: whether tensors go to the engine as they are.
+        self._device_engine = device_engine(engine)
+        # How RankIO stages batches of rows for this engine (host, pinned or device rows).
+        self.staging = staging or HostStaging()
         self.stats = stats
         self._leading_dims = leading_dims
         self._checksum_algo = checksum_id(checksum)
@@ -186,14 +212,17 @@ class GroupStore:
         if self._fio.exists(final):
             return WriteStatus.EXISTS, None
         layout = self.layout
-        data = _byte_view(req.data)
-        if len(data) != layout.block_nbytes:
-            raise KvstoreError(f"block data: expected {layout.block_nbytes} bytes, got {len(data)}")
+        data = self._data(req.data, host=self._compressed is not None)
+        if _nbytes(data) != layout.block_nbytes:
+            raise KvstoreError(
+                f"block data: expected {layout.block_nbytes} bytes, got {_nbytes(data)}"
+            )
         if self._compressed is not None:
+            assert isinstance(data, memoryview)
             return self._write_compressed(block_hash, req.parent_hash, data, final)
-        sums = checksum_chunks(self._checksum_algo, data, layout.chunk_nbytes, layout.num_chunks)
+        sums = _checksums(self._checksum_algo, data, layout.chunk_nbytes, layout.num_chunks)
         header = self._header(block_hash, req.parent_hash, time.time_ns(), sums)
-        segments: list[Segment] = [(0, memoryview(header))]
+        segments: list[AnySegment] = [(0, memoryview(header))]
         if layout.dense:
             segments.append((layout.data_offset, data))
         else:
@@ -260,7 +289,7 @@ class GroupStore:
     def _write_with_dir(
         self,
         path: str,
-        segments: Sequence[Segment],
+        segments: Sequence[AnySegment],
         *,
         exclusive: bool,
         file_nbytes: int | None = None,
@@ -273,7 +302,7 @@ class GroupStore:
         """
         size = self.layout.file_nbytes if file_nbytes is None else file_nbytes
         try:
-            self.engine.write_file(path, segments, size, exclusive=exclusive)
+            self._engine_write(path, segments, size, exclusive)
         except FileNotFoundError:
             if not self._fio.exists(self._array_prefix + "zarr.json"):
                 raise KvstoreError(
@@ -283,7 +312,30 @@ class GroupStore:
             created = self._fio.makedirs(os.path.dirname(path), self.engine.config.dir_mode)
             if self.engine.config.durable:
                 sync_parents(self._fio, created)
-            self.engine.write_file(path, segments, size, exclusive=exclusive)
+            self._engine_write(path, segments, size, exclusive)
+
+    def _engine_write(
+        self, path: str, segments: Sequence[AnySegment], size: int, exclusive: bool
+    ) -> None:
+        """Device segments to the device engine; host-only lists to any engine."""
+        host = _host_segments(segments)
+        if host is not None:
+            self.engine.write_file(path, host, size, exclusive=exclusive)
+            return
+        assert self._device_engine is not None  # _data keeps tensors only for such engines
+        self._device_engine.write_file(path, segments, size, exclusive=exclusive)
+
+    def _data(self, buffer: object, *, host: bool = False) -> Data:
+        """A caller's block bytes as the engine takes them: a flat uint8 tensor for a device
+        engine (unless ``host``), host memory otherwise (tensors copied there)."""
+        if not isinstance(buffer, torch.Tensor):
+            return _byte_view(buffer)
+        flat = _tensor_bytes(buffer)
+        if self._device_engine is not None and not host:
+            return flat
+        if flat.device.type != "cpu":
+            flat = flat.to("cpu")
+        return flat.numpy().data
 
     def _finish_writes(
         self,
@@ -385,16 +437,17 @@ class GroupStore:
     def _write_chunks_one(self, item: ChunkWrite) -> None:
         layout = self.layout
         pending = item.pending
-        data = _byte_view(item.data)
+        data = self._data(item.data)
         chunks = list(item.chunks)
-        if len(data) != len(chunks) * layout.chunk_nbytes:
+        if _nbytes(data) != len(chunks) * layout.chunk_nbytes:
             raise KvstoreError(
-                f"chunk data: expected {len(chunks)} x {layout.chunk_nbytes} bytes, got {len(data)}"
+                f"chunk data: expected {len(chunks)} x {layout.chunk_nbytes} bytes, "
+                f"got {_nbytes(data)}"
             )
         if any(not 0 <= c < layout.num_chunks for c in chunks):
             raise KvstoreError(f"chunk numbers: expected 0..{layout.num_chunks - 1}, got {chunks}")
-        sums = checksum_chunks(pending.checksum_algo, data, layout.chunk_nbytes, len(chunks))
-        segments = self._shared_segments(pending)
+        sums = _checksums(pending.checksum_algo, data, layout.chunk_nbytes, len(chunks))
+        segments: list[AnySegment] = list(self._shared_segments(pending))
         segments.extend(self._chunk_segments(chunks, data))
         segments.sort(key=lambda s: s[0])
         # Checksum slots last (segments are written in list order): a filled slot tells the
@@ -418,16 +471,17 @@ class GroupStore:
             raise KvstoreError(
                 f"range writer slot: expected 0..{MAX_RANGE_WRITERS - 1}, got {item.writer_slot}"
             )
-        segments = self._shared_segments(item.pending)
+        segments: list[AnySegment] = list(self._shared_segments(item.pending))
         # Completion marker past the end of the block: the committer checks every range writer
         # reported, since a missing writer's bytes are indistinguishable from zeros.
         segments.append((layout.file_nbytes + item.writer_slot, memoryview(b"\x01")))
         for offset, buffer in item.ranges:
-            data = _byte_view(buffer)
+            data = self._data(buffer)
+            size = _nbytes(data)
             chunk, within = divmod(offset, layout.chunk_nbytes)
-            if chunk >= layout.num_chunks or within + len(data) > layout.chunk_nbytes or offset < 0:
+            if chunk >= layout.num_chunks or within + size > layout.chunk_nbytes or offset < 0:
                 raise KvstoreError(
-                    f"range write [{offset}, +{len(data)}): expected it inside one inner chunk of "
+                    f"range write [{offset}, +{size}): expected it inside one inner chunk of "
                     f"{layout.chunk_nbytes} bytes within a {layout.block_nbytes}-byte block"
                 )
             segments.append((layout.chunk_offset(chunk) + within, data))
@@ -568,12 +622,26 @@ class GroupStore:
         layout = self.layout
         whole = req.chunks is None
         chunks: Sequence[int] = range(layout.num_chunks) if whole else list(req.chunks or ())
-        out = _byte_view(req.out)
-        if out.readonly:
-            raise ValueError("read buffer: expected writable memory, got a read-only buffer")
         need = len(chunks) * layout.chunk_nbytes
-        if len(out) < need:
-            raise ValueError(f"read buffer: expected at least {need} bytes, got {len(out)}")
+        # A device buffer with a host-only engine (or a compressed array) is read through a
+        # host bounce buffer and copied over after verification.
+        device_out: torch.Tensor | None = None
+        out: Data
+        if isinstance(req.out, torch.Tensor):
+            flat = _tensor_bytes(req.out)
+            if self._device_engine is not None and self._compressed is None:
+                out = flat
+            elif flat.device.type == "cpu":
+                out = flat.numpy().data
+            else:
+                device_out = flat
+                out = torch.empty(need, dtype=torch.uint8).numpy().data
+        else:
+            out = _byte_view(req.out)
+            if out.readonly:
+                raise ValueError("read buffer: expected writable memory, got a read-only buffer")
+        if _nbytes(out) < need:
+            raise ValueError(f"read buffer: expected at least {need} bytes, got {_nbytes(out)}")
         if not whole and any(not 0 <= c < layout.num_chunks for c in chunks):
             raise ValueError(f"chunk numbers: expected 0..{layout.num_chunks - 1}, got {chunks}")
         touch_before = (
@@ -582,35 +650,47 @@ class GroupStore:
             else 0
         )
         if self._compressed is not None:
+            assert isinstance(out, memoryview)
             path = self.path_of(block_hash)
             self._compressed.read(path, block_hash, chunks, out, self._verify, touch_before)
+            if device_out is not None:
+                device_out[:need].copy_(torch.frombuffer(out, dtype=torch.uint8)[:need])
             return need
         header: bytearray | memoryview
         if self._direct_reads:  # an aligned header buffer, so the whole read may be O_DIRECT
             header = self._header_staging.get(layout.header_nbytes)[: layout.header_nbytes].data
         else:
             header = bytearray(layout.header_nbytes)
-        segments: list[Segment] = [(0, memoryview(header)), *self._chunk_segments(chunks, out)]
+        segments: list[AnySegment] = [
+            (0, memoryview(header)),
+            *self._chunk_segments(chunks, out),
+        ]
         segments.sort(key=lambda s: s[0])
-        direct = self._direct_reads and all(
-            offset % fmt.ALIGN == 0 and is_aligned(data) for offset, data in segments
-        )
-        self.engine.read_file(
-            self.path_of(block_hash), segments, layout.file_nbytes, touch_before, direct=direct
-        )
+        host = _host_segments(segments)
+        path = self.path_of(block_hash)
+        if host is None:
+            assert self._device_engine is not None
+            self._device_engine.read_file(path, segments, layout.file_nbytes, touch_before)
+        else:
+            direct = self._direct_reads and all(
+                offset % fmt.ALIGN == 0 and is_aligned(data) for offset, data in host
+            )
+            self.engine.read_file(path, host, layout.file_nbytes, touch_before, direct=direct)
         decoded = fmt.decode_header(header)
         check_header_for(decoded, self, block_hash)
         if self._verify:
             self._verify_chunks(decoded.checksum_algo, header, chunks, out)
+        if device_out is not None:
+            device_out[:need].copy_(torch.frombuffer(out, dtype=torch.uint8)[:need])
         return need
 
-    def _chunk_segments(self, chunks: Sequence[int], out: memoryview) -> list[Segment]:
+    def _chunk_segments(self, chunks: Sequence[int], out: Data) -> list[AnySegment]:
         """File segments of ``chunks`` whose bytes lie back to back in ``out`` (runs merged)."""
         layout = self.layout
         size = layout.chunk_nbytes
         if layout.dense and isinstance(chunks, range) and chunks.step == 1:  # one run (whole)
             return [(layout.chunk_offset(chunks.start), out[: len(chunks) * size])]
-        segments: list[Segment] = []
+        segments: list[AnySegment] = []
         i = 0
         while i < len(chunks):
             j = i + 1
@@ -622,7 +702,7 @@ class GroupStore:
         return segments
 
     def _verify_chunks(
-        self, algo: int, header: bytearray | memoryview, chunks: Sequence[int], out: memoryview
+        self, algo: int, header: bytearray | memoryview, chunks: Sequence[int], out: Data
     ) -> None:
         layout = self.layout
         try:
@@ -631,14 +711,30 @@ class GroupStore:
             raise CorruptBlockError(str(exc)) from None
         slots = fmt.decode_checksums(header, layout.num_chunks)
         size = layout.chunk_nbytes
-        sums = np.fromiter(
-            (fn(out[i : i + size]) for i in range(0, len(chunks) * size, size)),
-            dtype=np.uint64,
-            count=len(chunks),
-        )
+        if isinstance(out, torch.Tensor):
+            if algo not in DEVICE_ALGOS:
+                self._log_host_verify(algo)
+            rows = out[: len(chunks) * size].view(len(chunks), size)
+            sums = np.asarray(checksum_tensor_rows(algo, rows), dtype=np.uint64)
+        else:
+            sums = np.fromiter(
+                (fn(out[i : i + size]) for i in range(0, len(chunks) * size, size)),
+                dtype=np.uint64,
+                count=len(chunks),
+            )
         bad = np.flatnonzero(sums != slots[np.asarray(chunks, dtype=np.intp)])
         if len(bad):
             raise CorruptBlockError(f"checksum mismatch in inner chunk {chunks[int(bad[0])]}")
+
+    def _log_host_verify(self, algo: int) -> None:
+        if self.engine in _HOST_VERIFY_LOGGED:
+            return
+        _HOST_VERIFY_LOGGED.add(self.engine)
+        log.info(
+            "kvstore: blocks checksummed with %s are verified through host memory when read "
+            "into device buffers (write them with wsum64 to verify on the device)",
+            NAMES.get(algo, algo),
+        )
 
     def _read_failure(self, exc: BaseException, block_hash: bytes) -> ReadResult:
         if isinstance(exc, BlockMissingError):
@@ -783,6 +879,34 @@ def _consecutive_runs(chunks: Sequence[int]) -> Iterator[tuple[int, int]]:
         if i == len(chunks) or chunks[i] != chunks[i - 1] + 1:
             yield start, i
             start = i
+
+
+def _nbytes(data: Data) -> int:
+    return data.numel() if isinstance(data, torch.Tensor) else len(data)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor (a view, no copy)."""
+    if not tensor.is_contiguous():
+        raise ValueError("buffer: expected a contiguous tensor")
+    flat = tensor.detach().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _checksums(algo: int, data: Data, chunk_nbytes: int, count: int) -> list[int]:
+    """Checksums of ``count`` chunks of ``data``: on the tensor's device for device data."""
+    if isinstance(data, torch.Tensor):
+        if count == 0:
+            return []
+        return checksum_tensor_rows(algo, data[: count * chunk_nbytes].view(count, chunk_nbytes))
+    return checksum_chunks(algo, data, chunk_nbytes, count)
+
+
+def _host_segments(segments: Sequence[AnySegment]) -> list[Segment] | None:
+    """``segments`` typed as host segments when none holds a tensor, else None."""
+    if any(isinstance(data, torch.Tensor) for _, data in segments):
+        return None
+    return [(offset, data) for offset, data in segments if not isinstance(data, torch.Tensor)]
 
 
 def _byte_view(buffer: object) -> memoryview:

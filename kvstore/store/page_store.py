@@ -8,7 +8,9 @@
 * :class:`Namespace` - one :class:`~kvstore.store.group_store.GroupStore` per KV-cache group,
   where the block operations live.
 
-A store object owns its I/O engine (threads); close it, or use it as a context manager.
+A store object owns its I/O engine (threads), chosen once at open by
+:func:`kvstore.io.select.select_engine` from ``io_mode`` (one log line says which and why);
+close it, or use it as a context manager.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from typing import Any
 from kvstore.config import StoreConfig
 from kvstore.errors import IdentityMismatchError, StoreFormatError
 from kvstore.identity import Identity
+from kvstore.io.engine import Engine
 from kvstore.io.fileio import DEFAULT_FILEIO, FileIO, sync_parents
-from kvstore.io.host import PROBE_PREFIX, HostEngine
+from kvstore.io.host import PROBE_PREFIX
+from kvstore.io.select import Probes, select_engine
+from kvstore.io.staging import Staging
 from kvstore.store import metadata
 from kvstore.store.compression import check_array_compression
 from kvstore.store.format import ShardLayout
@@ -47,6 +52,7 @@ class KVStore:
         fio: FileIO = DEFAULT_FILEIO,
         create: bool = True,
         read_only: bool = False,
+        probes: Probes | None = None,
     ) -> None:
         self.config = config or StoreConfig()
         self.root = self.config.root.absolute()
@@ -54,7 +60,14 @@ class KVStore:
         # Read-only: nothing is created, probed, quarantined or touched (tools, copied stores).
         self.read_only = read_only
         self._open_root(create and not read_only)
-        self.engine = HostEngine(self.config.replace(root=self.root), fio, probe=not read_only)
+        selection = select_engine(
+            self.config.replace(root=self.root), fio, read_only=read_only, probes=probes
+        )
+        self.engine: Engine = selection.engine
+        # How RankIO stages batches for this engine (host rows, pinned rows, device rows).
+        self.staging: Staging = selection.staging
+        # The checksum algorithm new blocks get (config "auto" resolved for this engine).
+        self.checksum: str = selection.checksum
         self.stats = StoreStats()
         self._namespaces: dict[str, Namespace] = {}
 
@@ -221,11 +234,12 @@ class Namespace:
             engine=self.store.engine,
             leading_dims=leading,
             stats=self.store.stats,
-            checksum=config.checksum,
+            checksum=self.store.checksum,
             verify_reads=config.verify_reads,
             quarantine_dir=self.path / QUARANTINE if config.quarantine else None,
             read_only=self.store.read_only,
             compression=compression,
+            staging=self.store.staging,
         )
         if created:  # pre-create the fan-out so block writes never mkdir
             made: list[str] = []

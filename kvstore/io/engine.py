@@ -1,0 +1,122 @@
+"""The contract every I/O engine implements, in one place.
+
+An engine moves block bytes between memory and block files. Three implement it:
+
+* :class:`kvstore.io.host.HostEngine` ("host"): host memory, ``pwritev``/``preadv`` from a
+  thread pool, O_DIRECT whole-file writes where the probe passed.
+* :class:`kvstore.io.pinned.PinnedEngine` ("pinned"): the host engine's file I/O, plus a
+  :class:`~kvstore.io.staging.Staging` that moves device pages through a pool of pinned host
+  buffers on a side CUDA stream.
+* :class:`kvstore.io.gds.GdsEngine` ("gds"): also takes device tensors in its segments and
+  writes/reads them with cuFile (kvikio) at 4 KiB-aligned offsets, without a host copy.
+
+:mod:`kvstore.io.select` picks one per store. Every engine, given the same segments, leaves
+byte-identical files (the conformance suite, ``tests/io/test_engine_conformance.py``, checks it).
+
+Contract (:class:`Engine`):
+
+* ``map(fn, items)`` runs ``fn`` over ``items`` on the I/O threads; results (or the exception,
+  returned rather than raised: one bad block never fails a batch) in order.
+* ``write_file(path, segments, file_nbytes, exclusive=...)`` writes ``(offset, bytes)``
+  segments in the order given (a writer killed half way has written a prefix of the list).
+  ``exclusive=True``: the file is new (``O_EXCL``, ``O_NOFOLLOW``, the config's owner-only
+  mode) and the segments tile ``[0, file_nbytes)``; it is cut to ``file_nbytes``. Otherwise
+  the file may hold other writers' segments and is not truncated. Synced (fdatasync) before
+  returning when the store is durable.
+* ``finish_file(path, file_nbytes, segments)``: the committer's last writes on a shared
+  temporary file, cut to its final size, synced once.
+* ``read_file(path, segments, file_nbytes, touch_if_older_than_ns, allow_trailer, direct)``
+  fills segments from a published file after checking its size: missing ->
+  :class:`~kvstore.errors.BlockMissingError`, wrong size or short read ->
+  :class:`~kvstore.errors.CorruptBlockError`; mtime is refreshed when older than the bound.
+* ``close()``, ``describe()`` (one line), ``name``, ``config``, ``fio``, ``direct`` (the O_DIRECT
+  probe outcome).
+
+Segments hold host memory (``memoryview``). An engine whose ``accepts_device`` is True (the
+GDS engine) also takes contiguous uint8 ``torch.Tensor`` segments: device memory (with the CPU
+stand-ins of the tests, CPU tensors play the device). Every other engine is handed host
+memory only; the group store moves device data through the engine's staging first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+import torch
+
+from kvstore.config import StoreConfig
+from kvstore.io.fileio import FileIO
+from kvstore.io.host import DirectIOProbe, Segment
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+Data = memoryview | torch.Tensor
+AnySegment = tuple[int, Data]  # (file offset, host bytes or a uint8 device tensor)
+
+
+class Engine(Protocol):
+    """What the group store needs from an I/O engine (see the module docstring)."""
+
+    name: str
+    config: StoreConfig
+    fio: FileIO
+    direct: DirectIOProbe
+
+    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R | BaseException]: ...
+
+    def write_file(
+        self, path: str, segments: Sequence[Segment], file_nbytes: int, *, exclusive: bool
+    ) -> None: ...
+
+    def finish_file(
+        self, path: str, file_nbytes: int, segments: Sequence[Segment] = ()
+    ) -> None: ...
+
+    def read_file(
+        self,
+        path: str,
+        segments: Sequence[Segment],
+        file_nbytes: int,
+        touch_if_older_than_ns: int = 0,
+        *,
+        allow_trailer: bool = False,
+        direct: bool = False,
+    ) -> None: ...
+
+    def close(self) -> None: ...
+
+    def describe(self) -> str: ...
+
+
+class DeviceEngine(Engine, Protocol):
+    """An engine that also moves device tensors in its segments (``accepts_device``)."""
+
+    accepts_device: bool
+
+    def write_file(
+        self, path: str, segments: Sequence[AnySegment], file_nbytes: int, *, exclusive: bool
+    ) -> None: ...
+
+    def finish_file(
+        self, path: str, file_nbytes: int, segments: Sequence[AnySegment] = ()
+    ) -> None: ...
+
+    def read_file(
+        self,
+        path: str,
+        segments: Sequence[AnySegment],
+        file_nbytes: int,
+        touch_if_older_than_ns: int = 0,
+        *,
+        allow_trailer: bool = False,
+        direct: bool = False,
+    ) -> None: ...
+
+
+def device_engine(engine: Engine) -> DeviceEngine | None:
+    """``engine`` as a :class:`DeviceEngine` when it takes device segments, else None."""
+    if getattr(engine, "accepts_device", False):
+        return engine  # type: ignore[return-value]  # checked by the flag it declares
+    return None
