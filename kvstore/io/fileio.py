@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -103,6 +104,11 @@ class FileIO:
     def touch(self, fd: int) -> None:
         """Set the file's modification time to now (readers record last use this way)."""
         os.utime(fd)
+
+    def clear_direct(self, fd: int) -> None:
+        """Turn O_DIRECT off on an open descriptor (Linux allows it through F_SETFL)."""
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
 
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

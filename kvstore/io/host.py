@@ -13,10 +13,11 @@ Contract of an I/O engine (the GPU engines implement the same):
 
 Writes of new whole files use O_DIRECT when the probe at start-up passed: page-aligned
 buffers are passed straight to the kernel and anything else is copied once into a per-thread
-aligned staging buffer; the file is written to a 4 KiB boundary and truncated to its exact
-size. Partial writes (several writers per file) and reads are buffered: reads with several
-threads beat O_DIRECT reads on the measured disks, and partial writes touch the header page
-that other writers share.
+aligned staging buffer; the last partial page is written buffered on the same descriptor
+(O_DIRECT cleared with ``fcntl``), so the file never needs truncating. Partial writes
+(several writers per file) and reads are buffered: reads with several threads beat O_DIRECT
+reads on the measured disks, and partial writes touch the header page that other writers
+share.
 """
 
 from __future__ import annotations
@@ -145,9 +146,11 @@ class HostEngine:
         flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else 0)
         fd = self.fio.open(path, flags, self.config.file_mode)
         try:
+            end = 0
             for offset, buffers in _coalesce(segments):
                 write_fully(self.fio, fd, buffers, offset)
-            if exclusive:
+                end = max(end, offset + sum(len(b) for b in buffers))
+            if exclusive and end != file_nbytes:  # a new file ends where its last byte went
                 self.fio.ftruncate(fd, file_nbytes)
             # Shared (multi-writer) files are never truncated by a writer: other writers'
             # completion markers may lie past file_nbytes; the committer truncates.
@@ -192,16 +195,24 @@ class HostEngine:
             position = offset + len(data)
         if position != file_nbytes:
             raise ValueError(f"exclusive write: segments end at {position}, file is {file_nbytes}")
+        # The last partial page (the end of the zarr index) cannot go through O_DIRECT. It is
+        # written buffered on the same descriptor once the aligned part is down: writing the
+        # page padded and truncating afterwards instead costs a contended metadata update per
+        # block (ftruncate was ~15 % of a 2 MiB block's write time with 4 threads).
+        tail = memoryview(b"")
+        head_end = file_nbytes - file_nbytes % ALIGN
         if stage_end != stage_start:
-            staging[stage_end:padded] = 0  # deterministic bytes past the end (truncated away)
-            iovecs.append(staging[stage_start:padded].data)
+            if head_end > stage_start:
+                iovecs.append(staging[stage_start:head_end].data)
+            tail = staging[max(stage_start, head_end) : file_nbytes].data
         fd = self.fio.open(
             path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, self.config.file_mode
         )
         try:
             write_fully(self.fio, fd, iovecs, 0)
-            if padded != file_nbytes:
-                self.fio.ftruncate(fd, file_nbytes)
+            if len(tail):
+                self.fio.clear_direct(fd)  # F_SETFL: clearing O_DIRECT cannot be refused
+                write_fully(self.fio, fd, [tail], file_nbytes - len(tail))
             if self.config.durable:
                 self.fio.fdatasync(fd)
         finally:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,7 +30,6 @@ from tests.helpers import (
     make_small_identity,
 )
 
-SELECT = "kvstore.select"  # the engine selection's logger (one line per store opened)
 needs_o_direct = pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT on this platform")
 
 
@@ -70,8 +71,7 @@ def test_probe_falls_back_with_one_log_line(
         store = make_store(fio=fio, direct_io="auto")
     assert store.engine.direct.enabled is False
     assert store.engine.direct.reason.startswith(f"O_DIRECT probe failed in {root.absolute()}")
-    # The engine selection's own line (kvstore.select) is tested in tests/io/test_select.py.
-    lines = [r for r in caplog.records if r.name.startswith("kvstore") and r.name != SELECT]
+    lines = [r for r in caplog.records if r.name.startswith("kvstore")]
     assert len(lines) == 1
     assert lines[0].levelno == logging.INFO
     assert lines[0].getMessage().startswith("kvstore: buffered writes (O_DIRECT probe failed")
@@ -104,7 +104,7 @@ def test_direct_io_off_skips_the_probe(
     assert store.engine.direct.enabled is False
     assert store.engine.direct.reason == "direct_io=off"
     assert all(not flags & O_DIRECT for _, flags in fio.opens)
-    assert [r for r in caplog.records if r.name.startswith("kvstore") and r.name != SELECT] == []
+    assert [r for r in caplog.records if r.name.startswith("kvstore")] == []
 
 
 @needs_o_direct
@@ -273,6 +273,58 @@ def test_direct_write_requires_tiling_segments(tmp_path: Path) -> None:
         assert (tmp_path / "k").read_bytes() == b"x" * 5000 + b"yyy"
     finally:
         eng.close()
+
+
+class TruncateRecorder(FileIO):
+    """Records ftruncate calls and the O_DIRECT state of every write."""
+
+    def __init__(self) -> None:
+        self.truncates: list[int] = []
+        self.writes: list[tuple[int, int, bool]] = []  # (offset, length, O_DIRECT on)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        self.truncates.append(length)
+        super().ftruncate(fd, length)
+
+    def pwritev(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT)
+        self.writes.append((offset, sum(memoryview(b).nbytes for b in buffers), direct))
+        return super().pwritev(fd, buffers, offset)
+
+
+@needs_o_direct
+@pytest.mark.parametrize("size", [100, 4096, 4096 + 7, 3 * 4096 - 1, 3 * 4096 + 1000])
+def test_new_files_end_exactly_without_truncating(tmp_path: Path, size: int) -> None:
+    """O_DIRECT writes put the aligned part down directly and the unaligned last page
+    buffered on the same descriptor; neither path truncates a new whole file."""
+    if not o_direct_works(tmp_path):
+        pytest.skip("the test filesystem refuses O_DIRECT")
+    payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    aligned = aligned_buffer(4096)
+    aligned[:] = np.frombuffer(payload[:4096].ljust(4096, b"\0"), dtype=np.uint8)
+    segments: list[tuple[int, memoryview]] = []
+    if size >= 4096:  # a page-aligned first segment goes straight from the caller's memory
+        segments.append((0, aligned.data))
+        segments.append((4096, memoryview(payload[4096:])))
+    else:
+        segments.append((0, memoryview(payload)))
+    segments = [s for s in segments if len(s[1])]
+    for direct_io in ("on", "off"):
+        fio = TruncateRecorder()
+        eng = HostEngine(StoreConfig(root=tmp_path, direct_io=direct_io, durability="full"), fio)
+        fio.truncates.clear()  # the O_DIRECT probe's own truncate
+        fio.writes.clear()
+        try:
+            path = tmp_path / f"f-{direct_io}"
+            eng.write_file(str(path), segments, size, exclusive=True)
+        finally:
+            eng.close()
+        assert path.read_bytes() == payload
+        assert fio.truncates == []
+        if direct_io == "on" and size % 4096:
+            tail_offset, tail_len, tail_direct = fio.writes[-1]
+            assert (tail_offset, tail_len, tail_direct) == (size - size % 4096, size % 4096, False)
+            assert all(direct and off % 4096 == 0 for off, _, direct in fio.writes[:-1])
 
 
 def test_describe(engine: HostEngine) -> None:

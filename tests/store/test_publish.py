@@ -32,7 +32,7 @@ from tests.helpers import (
     tmp_files,
 )
 
-FAULTS = ["partial-write", "no-progress", "truncate", "fdatasync", "rename"]
+FAULTS = ["partial-write", "no-progress", "tail", "fdatasync", "rename"]
 
 
 class FaultyFileIO(FileIO):
@@ -86,11 +86,11 @@ class FaultyFileIO(FileIO):
             return 0
         return super().pwritev(fd, buffers, offset)
 
-    def ftruncate(self, fd: int, length: int) -> None:
-        if self._hit(fd) and self.fault == "truncate":
+    def clear_direct(self, fd: int) -> None:
+        if self._hit(fd) and self.fault == "tail":
             self._count()
-            raise OSError(errno.ENOSPC, "injected ENOSPC in ftruncate")
-        super().ftruncate(fd, length)
+            raise OSError(errno.EIO, "injected EIO before the buffered tail write")
+        super().clear_direct(fd)
 
     def fdatasync(self, fd: int) -> None:
         if self._hit(fd) and self.fault == "fdatasync":
@@ -110,9 +110,8 @@ def faulty_group(
 ) -> tuple[GroupStore, FaultyFileIO]:
     fio = FaultyFileIO(fault, target)
     durability = "full" if fault == "fdatasync" else "none"
-    # A truncate is only needed (and so only injectable) when the file size is not aligned,
-    # which is the case for every format v1 file (the index ends it); O_DIRECT writes always
-    # truncate, buffered writes always do too.
+    # "tail": O_DIRECT writes end with a buffered write of the file's unaligned last page
+    # (every format v1 file has one: the index ends it); buffered writes have no such step.
     store = make_store(fio=fio, direct_io=direct_io, durability=durability)
     return store.namespace(make_small_identity()).group(0), fio
 
@@ -136,6 +135,8 @@ def test_failed_write_is_invisible(
     fault: str,
     direct_io: str,
 ) -> None:
+    if fault == "tail" and direct_io == "off":
+        pytest.skip("buffered writes have no separate tail step")
     group, fio = faulty_group(make_store, fault, direct_io)
     hashes = [block_hash(i, fault) for i in range(3)]
     datas = [block_bytes(group.layout, i) for i in range(3)]
