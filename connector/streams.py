@@ -8,12 +8,14 @@ reports it. :class:`Streams` hides how:
 * :class:`HostStreams` (CPU tensors, what the tests run): the copy happens synchronously
   when it is issued, so every fence is already passed.
 * :class:`CudaStreams` (GPU tensors; **not exercised by the CPU test suite**): snapshots run
-  on a side stream that first waits on the current (compute) stream, copy device to pinned
-  host memory, and are fenced by an event; loads run on a transfer stream that waits on an
-  event recorded on the compute stream at submission, and the I/O thread synchronizes on
-  their completion event before reporting.
+  on a side stream that first waits on the current (compute) stream and are fenced by an
+  event; loads run on a transfer stream that waits on an event recorded on the compute stream
+  at submission, and the I/O thread synchronizes on their completion event before reporting.
 
-The GPUDirect engine (a later issue) plugs in here.
+Where the snapshot's bytes go is the store engine's business, not this module's: the worker
+stages through :meth:`kvstore.rank_io.RankIO.stage` (pooled pinned rows for the pinned engine,
+device rows for the GDS engine; :mod:`kvstore.io.staging`), which itself orders its side
+stream after the stream current here.
 """
 
 from __future__ import annotations

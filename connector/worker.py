@@ -1,11 +1,13 @@
 """The worker side (one per GPU process): moves this rank's share of blocks, never blocks vLLM.
 
 * ``submit_store``: for the blocks this rank is elected to write
-  (:meth:`kvstore.rank_io.RankIO.elected`), snapshot its pages of them into host buffers
-  (:mod:`connector.streams`: after the compute stream, on a side stream on GPUs), then, on a
-  job thread, write its share into each block's pending file (:meth:`RankIO.store`). The
-  scheduler publishes the blocks once every rank reported the job. ``wait`` on a store returns
-  as soon as the snapshot is taken: the GPU blocks may be reused from then on.
+  (:meth:`kvstore.rank_io.RankIO.elected`), snapshot its share of them into the store engine's
+  staging (:meth:`RankIO.stage`, after the compute stream, on a side stream on GPUs: pooled
+  pinned host rows for the pinned engine, device rows for the GDS engine, host rows for the
+  host engine), then, on a job thread, write the staged shares into each block's pending file
+  (:meth:`RankIO.write_staged`). The scheduler publishes the blocks once every rank reported the
+  job. ``wait`` on a store returns as soon as the snapshot is taken: the GPU blocks may be
+  reused from then on.
 * ``submit_load``: on a job thread, read and verify the chunks this rank holds and scatter
   them into its pages (:meth:`RankIO.load`); ``wait`` returns only when the bytes are on the
   device.
@@ -46,7 +48,7 @@ from connector.rank import RankContext, certify, check_mapping, family_of, group
 from connector.specs import KVStoreLoadSpec, KVStoreStoreSpec
 from connector.streams import PASSED, Fence, Streams, streams_for
 from kvstore import Identity, KVStore, LayoutError, Namespace
-from kvstore.rank_io import RankIO
+from kvstore.rank_io import RankIO, StagedShares
 from kvstore.store.types import PendingBlock, ReadStatus
 
 if TYPE_CHECKING:
@@ -125,7 +127,10 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         try:
             work = self._elected_work(_expect(KVStoreStoreSpec, dst_spec), src_spec)
             snapshot, fence = self.streams.snapshot(
-                lambda: [self._copy_out(group, ids) for group, _, _, ids in work]
+                lambda: [
+                    group.rank_io.stage(group.tensors, pendings, ids)
+                    for group, pendings, _, ids in work
+                ]
             )
             future = self._executor.submit(STORE, lambda: self._write(fence, work, snapshot))
         except Exception as exc:
@@ -242,42 +247,23 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
                 )
         return work
 
-    def _copy_out(self, group: WorkerGroup, block_ids: list[int]) -> list[torch.Tensor]:
-        """This rank's pages of ``block_ids``, copied into host memory (the snapshot)."""
-        mapping = group.rank_io.mapping
-        if mapping.form.packing == "packed":
-            width = mapping.form.group_offset + mapping.share_bytes
-        else:
-            width = mapping.page_bytes
-        index = torch.tensor(block_ids, dtype=torch.int64, device=group.tensors[0].device)
-        out = []
-        for tensor in group.tensors:
-            rows = tensor.narrow(1, 0, width).index_select(0, index)
-            if rows.device.type != "cpu":  # pragma: no cover - needs a GPU
-                host = self.streams.host_empty(tuple(rows.shape), rows.dtype)
-                host.copy_(rows, non_blocking=True)
-                rows = host
-            out.append(rows)
-        return out
-
     def _write(
         self,
         fence: Fence,
         work: list[tuple[WorkerGroup, list[PendingBlock], list[bytes], list[int]]],
-        snapshot: list[list[torch.Tensor]],
+        snapshot: list[StagedShares],
     ) -> _Outcome:
         outcome = _Outcome()
         try:
             fence.wait()
         except Exception as exc:
-            for _, _, keys, _ in work:
+            for (_, _, keys, _), shares in zip(work, snapshot, strict=True):
+                shares.release()
                 _fail(outcome, keys, [], exc)
             return outcome
-        for (group, pendings, keys, _), tensors in zip(work, snapshot, strict=True):
+        for (group, pendings, keys, _), shares in zip(work, snapshot, strict=True):
             try:
-                errors: Sequence[BaseException | None] = group.rank_io.store(
-                    tensors, pendings, list(range(len(pendings)))
-                )
+                errors: Sequence[BaseException | None] = group.rank_io.write_staged(shares)
             except Exception as exc:
                 errors = [exc] * len(pendings)
             for key, error in zip(keys, errors, strict=True):

@@ -35,6 +35,7 @@ import torch
 
 from kvstore.errors import LayoutError
 from kvstore.identity import Identity
+from kvstore.io.staging import Staged
 from kvstore.keys import writer_election_key
 from kvstore.layout.page import gather_blocks, scatter_blocks
 from kvstore.layout.parallel import GroupGeometry, RankMapping, map_all_ranks
@@ -74,6 +75,20 @@ def group_geometry(
 def model_group_geometry(model: ModelGeometry, identity: Identity, index: int) -> GroupGeometry:
     """:func:`group_geometry` with the layer ids of a catalogued model."""
     return group_geometry(identity, index, model.groups[index].layer_ids, model.num_hidden_layers)
+
+
+@dataclass
+class StagedShares:
+    """A batch of this rank's shares gathered by :meth:`RankIO.stage`, not yet written."""
+
+    pendings: Sequence[PendingBlock]
+    mine: list[int]  # indices into ``pendings`` this rank writes
+    staged: Staged | None  # the rows (None: nothing for this rank to write)
+
+    def release(self) -> None:
+        """Give the staging rows back (idempotent); :meth:`RankIO.write_staged` does it."""
+        if self.staged is not None:
+            self.staged.release()
 
 
 @dataclass(frozen=True)
@@ -142,23 +157,46 @@ class RankIO:
         Returns one entry per block: None (written, or not this rank's to write) or the error.
         The block becomes visible only when the committer publishes it after every rank is
         done (:meth:`GroupStore.commit_blocks` with :attr:`commit_checksum_chunks`).
+        Same as :meth:`stage` then :meth:`write_staged`.
         """
+        return self.write_staged(self.stage(local_tensors, pendings, block_ids))
+
+    def stage(
+        self,
+        local_tensors: Sequence[torch.Tensor],
+        pendings: Sequence[PendingBlock],
+        block_ids: Sequence[int],
+    ) -> StagedShares:
+        """Gather this rank's share of the blocks it is elected for into the engine's staging
+        (one batched gather; device work complete on return). The KV pages may be reused as
+        soon as this returns: the connector's store snapshot is this call."""
         if len(pendings) != len(block_ids):
             raise LayoutError(f"store: {len(pendings)} blocks but {len(block_ids)} block ids")
         mine = [i for i, e in enumerate(self.elected(pendings)) if e]
-        results: list[BaseException | None] = [None] * len(pendings)
         if not mine or self.mapping.share_bytes == 0:
-            return results
+            return StagedShares(pendings, [], None)
         ids = [block_ids[i] for i in mine]
         device = local_tensors[0].device if local_tensors else torch.device("cpu")
-        with self.group.staging.store_rows(
+        staged = self.group.staging.store_rows(
             len(mine),
             self.mapping.share_bytes,
             device,
             lambda out: gather_blocks(self.mapping, local_tensors, ids, out),
-        ) as staged:
-            errors = self._write_rows(staged.rows, pendings, mine)
-        for i, error in zip(mine, errors, strict=True):
+        )
+        return StagedShares(pendings, mine, staged)
+
+    def write_staged(self, shares: StagedShares) -> list[BaseException | None]:
+        """Write staged shares into their pending files and release the staging rows.
+
+        One entry per block: None (written, or not this rank's to write) or the error."""
+        results: list[BaseException | None] = [None] * len(shares.pendings)
+        if shares.staged is None:
+            return results
+        try:
+            errors = self._write_rows(shares.staged.rows, shares.pendings, shares.mine)
+        finally:
+            shares.release()
+        for i, error in zip(shares.mine, errors, strict=True):
             results[i] = error
         return results
 
