@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# GPU check of the device engines (docs/engines.md), in one run well inside 10 minutes:
+#
+#   1. environment: nvidia-smi, python/torch/CUDA, kvikio and its compat mode, GDS driver;
+#   2. installs what the machine lacks from carried wheels in ./.wheels (no network there),
+#      and says what is still missing (the run goes on with the engines it can use);
+#   3. the `gpu`-marked tests (conformance suite on real CUDA/kvikio, wsum64 on the device);
+#   4. the engines benchmark (kvstore.bench_engines): write and cold-read GB/s of the host,
+#      pinned and gds engines vs raw O_DIRECT file I/O and vs torch D2H + os.pwrite, with the
+#      0.8x-of-raw targets; plus fio for reference when fio is installed.
+#
+# Logs go to $OUT (when set) or ./gpu-check-out. Every step has its own timeout; a failing
+# step is reported and the next one still runs. Exit status: 0 when the gpu tests passed.
+#
+# Environment: PYTHON (default python3), GIB (data per system, default 2), THREADS (8),
+# SCRATCH (benchmark directory, default ./bench-scratch: put it on the filesystem to test),
+# INSTALL=0 to install nothing (a dry run on a development machine).
+set -uo pipefail
+
+cd "$(dirname "$0")/.." || exit 2
+OUT_DIR="${OUT:-./gpu-check-out}"
+mkdir -p "$OUT_DIR"
+PY="${PYTHON:-python3}"
+GIB="${GIB:-2}"
+THREADS="${THREADS:-8}"
+SCRATCH="${SCRATCH:-./bench-scratch}"
+INSTALL="${INSTALL:-1}"
+SUMMARY="$OUT_DIR/summary.txt"
+: >"$SUMMARY"
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+step() {  # step NAME SECONDS COMMAND... : run with a timeout, log, record the outcome
+    local name="$1" limit="$2"
+    shift 2
+    local started=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+    local rc=$?
+    note "step $name: rc=$rc ($((SECONDS - started)) s, log $name.log)"
+    tail -n 25 "$OUT_DIR/$name.log"
+    return $rc
+}
+
+note "== gpu_check $(date -u +%FT%TZ) on $(hostname)"
+
+# 1. environment ------------------------------------------------------------------------------
+step nvidia-smi 30 nvidia-smi
+step gds-tools 30 bash -c 'ls /usr/local/cuda*/gds/tools/gdscheck* 2>/dev/null && /usr/local/cuda/gds/tools/gdscheck -p || echo "gdscheck not found"'
+mount | grep -E " $(df --output=target "$PWD" | tail -1) " | tee -a "$SUMMARY"
+
+# 2. what is missing, installed from carried wheels ------------------------------------------
+step missing 60 "$PY" - <<'EOF'
+import importlib
+need = ["torch", "numpy", "xxhash", "crc32c", "zarr", "numcodecs", "pytest", "kvikio"]
+missing = []
+for name in need:
+    try:
+        importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001
+        missing.append(name)
+        print(f"missing: {name} ({exc})")
+print("MISSING=" + " ".join(missing))
+EOF
+MISSING="$(grep -o 'MISSING=.*' "$OUT_DIR/missing.log" | cut -d= -f2-)"
+if [ -n "$MISSING" ] && [ "$INSTALL" = 1 ]; then
+    if [ -d .wheels ]; then
+        # kvikio's wheel is named kvikio-cu12 / kvikio-cu13; install whatever was carried.
+        step install 240 "$PY" -m pip install --no-index --find-links .wheels \
+            $(ls .wheels/*.whl 2>/dev/null | xargs -n1 basename | sed 's/-[0-9].*//' | sort -u)
+    else
+        note "no ./.wheels directory: cannot install ($MISSING); continuing without"
+    fi
+fi
+if [ "$INSTALL" = 1 ]; then
+    step install-self 120 "$PY" -m pip install --no-index --no-deps --no-build-isolation -e . \
+        || note "editable install failed; using PYTHONPATH"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+step versions 60 "$PY" - <<'EOF'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+try:
+    import kvikio
+    from kvstore.io.cufile import kvikio_compat_mode
+    print("kvikio", getattr(kvikio, "__version__", "?"), "compat mode", kvikio_compat_mode(kvikio))
+    try:
+        import kvikio.cufile_driver as drv
+        for key in ("is_gds_available", "major_version", "minor_version", "allow_compat_mode"):
+            try:
+                print("cufile_driver", key, drv.get(key))
+            except Exception as exc:  # noqa: BLE001
+                print("cufile_driver", key, "?", exc)
+    except Exception as exc:  # noqa: BLE001
+        print("kvikio.cufile_driver unavailable:", exc)
+except Exception as exc:  # noqa: BLE001
+    print("kvikio not importable:", exc, "- the gds engine will be skipped")
+from kvstore.config import StoreConfig
+from kvstore.io.select import select_engine
+import logging, tempfile
+logging.basicConfig(level=logging.INFO)
+with tempfile.TemporaryDirectory(dir=".") as d:
+    sel = select_engine(StoreConfig(root=d, durability="none"))
+    print("auto selection:", sel.line)
+    sel.engine.close()
+EOF
+
+# 3. gpu tests -------------------------------------------------------------------------------
+step gpu-tests 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs \
+    tests/io/test_engine_conformance.py tests/test_checksum_wsum64.py
+TESTS_RC=$?
+
+# 4. benchmark -------------------------------------------------------------------------------
+mkdir -p "$SCRATCH"
+step bench-engines 240 "$PY" -m kvstore.bench_engines --device cuda --gib "$GIB" \
+    --threads "$THREADS" --root "$SCRATCH/engines" --json "$OUT_DIR/bench_engines.json"
+rm -rf "$SCRATCH/engines"
+if command -v fio >/dev/null 2>&1; then
+    for rw in write read; do
+        step "fio-$rw" 60 fio --name="kv$rw" --directory="$SCRATCH" --rw="$rw" --bs=2M \
+            --size=256M --numjobs="$THREADS" --direct=1 --ioengine=psync --group_reporting \
+            --end_fsync=0
+    done
+    rm -f "$SCRATCH"/kv*
+else
+    note "fio not installed: the raw O_DIRECT baseline of bench_engines is the floor"
+fi
+
+note "== done: gpu tests rc=$TESTS_RC"
+cat "$SUMMARY"
+exit "$TESTS_RC"
