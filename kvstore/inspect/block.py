@@ -10,12 +10,12 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from kvstore.checksum import CRC32C, XXH3_64
+from kvstore.checksum import NAMES
 from kvstore.inspect.blockfile import BlockCheck, check_block, quick_header
 from kvstore.inspect.resolve import BlockRef
 from kvstore.inspect.source import GroupView
 
-_ALGOS = {XXH3_64: "xxh3_64", CRC32C: "crc32c"}
+_ALGOS = NAMES  # header id -> algorithm name (xxh3_64, crc32c, wsum64)
 
 
 def parent_chain(

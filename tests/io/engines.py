@@ -78,6 +78,15 @@ CPU_KINDS = [EngineKind("host", "host"), EngineKind("pinned", "pinned"), EngineK
 GPU_KINDS = [EngineKind("pinned-cuda", "pinned", gpu=True), EngineKind("gds-cuda", "gds", gpu=True)]
 
 
+def ready_gpu_kinds() -> list[EngineKind]:
+    """The GPU kinds this machine can run (none without CUDA)."""
+    return [
+        k
+        for k in GPU_KINDS
+        if (_gpu_ready() or (_kvikio_ready() if k.io_mode == "gds" else None)) is None
+    ]
+
+
 def kind_params() -> list[Any]:
     """pytest params: the CPU kinds, then the GPU kinds marked ``gpu`` and skipped without."""
     params: list[Any] = [pytest.param(k, id=k.name) for k in CPU_KINDS]
