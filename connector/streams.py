@@ -21,8 +21,8 @@ stream after the stream current here.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,6 +44,27 @@ class Passed(Fence):
 
 
 PASSED = Passed()
+
+
+class EventFence(Fence):
+    """A fence on anything with ``synchronize()`` (a CUDA event, a staged batch's event)."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class AllOf(Fence):
+    """Passes when every one of ``fences`` has."""
+
+    def __init__(self, fences: Sequence[Fence]) -> None:
+        self.fences = tuple(fences)
+
+    def wait(self) -> None:
+        for fence in self.fences:
+            fence.wait()
 
 
 class Streams(ABC):

@@ -46,7 +46,7 @@ from connector.identity import KeyMap
 from connector.jobs import EXPEDITED, LOAD, STORE, PriorityExecutor
 from connector.rank import RankContext, certify, check_mapping, family_of, group_tensors
 from connector.specs import KVStoreLoadSpec, KVStoreStoreSpec
-from connector.streams import PASSED, Fence, Streams, streams_for
+from connector.streams import PASSED, AllOf, EventFence, Fence, Streams, streams_for
 from kvstore import Identity, KVStore, LayoutError, Namespace
 from kvstore.rank_io import RankIO, StagedShares
 from kvstore.store.types import PendingBlock, ReadStatus
@@ -126,12 +126,15 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         keys: Sequence[bytes] = getattr(dst_spec, "keys", ())
         try:
             work = self._elected_work(_expect(KVStoreStoreSpec, dst_spec), src_spec)
-            snapshot, fence = self.streams.snapshot(
+            snapshot, stream_fence = self.streams.snapshot(
                 lambda: [
                     group.rank_io.stage(group.tensors, pendings, ids)
                     for group, pendings, _, ids in work
                 ]
             )
+            # The pages may be reused once the snapshot stream and every staged batch's own
+            # event (the engine's side stream) have passed.
+            fence: Fence = AllOf([stream_fence, *(EventFence(s.ready) for s in snapshot)])
             future = self._executor.submit(STORE, lambda: self._write(fence, work, snapshot))
         except Exception as exc:
             log.exception("kvstore: store job %d could not start; its blocks are skipped", job_id)

@@ -35,6 +35,7 @@ import torch
 
 from kvstore.errors import LayoutError
 from kvstore.identity import Identity
+from kvstore.io.device import DONE, Event
 from kvstore.io.staging import Staged
 from kvstore.keys import writer_election_key
 from kvstore.layout.page import gather_blocks, scatter_blocks
@@ -84,6 +85,11 @@ class StagedShares:
     pendings: Sequence[PendingBlock]
     mine: list[int]  # indices into ``pendings`` this rank writes
     staged: Staged | None  # the rows (None: nothing for this rank to write)
+
+    @property
+    def ready(self) -> Event:
+        """Passes when the gather has read the KV pages (they may be reused from then on)."""
+        return self.staged.ready if self.staged is not None else DONE
 
     def release(self) -> None:
         """Give the staging rows back (idempotent); :meth:`RankIO.write_staged` does it."""
@@ -168,8 +174,8 @@ class RankIO:
         block_ids: Sequence[int],
     ) -> StagedShares:
         """Gather this rank's share of the blocks it is elected for into the engine's staging
-        (one batched gather; device work complete on return). The KV pages may be reused as
-        soon as this returns: the connector's store snapshot is this call."""
+        (one batched gather, queued on a side stream on GPUs). The KV pages may be reused once
+        :attr:`StagedShares.ready` has passed: the connector's store snapshot is this call."""
         if len(pendings) != len(block_ids):
             raise LayoutError(f"store: {len(pendings)} blocks but {len(block_ids)} block ids")
         mine = [i for i, e in enumerate(self.elected(pendings)) if e]
@@ -193,6 +199,7 @@ class RankIO:
         if shares.staged is None:
             return results
         try:
+            shares.staged.ready.synchronize()  # the batch's gather and copy have run
             errors = self._write_rows(shares.staged.rows, shares.pendings, shares.mine)
         finally:
             shares.release()

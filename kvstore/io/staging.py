@@ -15,8 +15,11 @@ brings the staging that suits it:
 * :class:`DeviceStaging` (GDS engine): rows stay in device memory (4 KiB-aligned), handed to
   the group store as device tensors; cuFile moves them.
 
-Every ``store_rows``/``deliver`` returns only when its device work is complete, so the rows
-can be written by I/O threads that know nothing about streams.
+``store_rows`` returns at once with the batch's event in :attr:`Staged.ready`: whoever writes
+the rows (an I/O thread, :meth:`kvstore.rank_io.RankIO.write_staged`) waits on it first, and
+whoever may reuse the KV pages waits on it too (the connector's store fence), so the thread
+that submits a store never blocks on the copy. ``deliver`` (loads) returns only when its
+device work is complete: the caller's pages hold the bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.io.device import DeviceOps
+from kvstore.io.device import DONE, DeviceOps, Event
 
 Fill = Callable[[torch.Tensor], object]
 
@@ -39,6 +42,7 @@ class Staged:
 
     rows: torch.Tensor  # (n, width) uint8: host for host/pinned staging, device for GDS
     _release: Callable[[], None] = field(default=lambda: None, repr=False)
+    ready: Event = DONE  # passes when the rows hold the gathered bytes
 
     def release(self) -> None:
         release, self._release = self._release, lambda: None
@@ -59,8 +63,8 @@ class Staging(ABC):
 
     @abstractmethod
     def store_rows(self, n: int, width: int, device: torch.device, fill: Fill) -> Staged:
-        """Rows holding what ``fill`` writes into a ``(n, width)`` uint8 tensor on ``device``;
-        the device work is complete when this returns."""
+        """Rows holding what ``fill`` writes into a ``(n, width)`` uint8 tensor on ``device``
+        once :attr:`Staged.ready` has passed."""
 
     @abstractmethod
     def load_rows(self, n: int, width: int, device: torch.device) -> Staged:
@@ -152,8 +156,9 @@ class PinnedStaging(Staging):
                 gathered = self.ops.device_empty(n * width, device).view(n, width)
                 fill(gathered)  # one batched gather on the device
                 staged.rows.copy_(gathered, non_blocking=True)  # one D2H copy per batch
-                event = self.ops.record(device)
-            event.synchronize()
+                staged.ready = self.ops.record(device)
+                # ``gathered`` goes back to torch's allocator of the side stream, which does
+                # not reuse it before the work queued there (this copy) has run.
         except BaseException:
             staged.release()
             raise
@@ -184,9 +189,9 @@ class DeviceStaging(Staging):
         with self.ops.side_stream(device):
             rows = self.ops.device_empty(n * width, device).view(n, width)
             fill(rows)
-            event = self.ops.record(device)
-        event.synchronize()  # cuFile reads device memory outside any stream order
-        return Staged(rows)
+            # cuFile reads device memory outside any stream order: writers wait on this.
+            ready = self.ops.record(device)
+        return Staged(rows, ready=ready)
 
     def load_rows(self, n: int, width: int, device: torch.device) -> Staged:
         return Staged(self.ops.device_empty(n * width, device).view(n, width))

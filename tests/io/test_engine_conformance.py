@@ -400,3 +400,17 @@ def test_device_reads_of_host_checksums_are_verified_through_the_host(
     notes = [r for r in caplog.records if "verified through host memory" in r.getMessage()]
     assert len(notes) == 1
     close(group)
+
+
+def test_compressed_arrays_take_device_buffers_through_the_host(
+    kind: EngineKind, tmp_path: Path
+) -> None:
+    group = group_of(kind, tmp_path, make_odd_identity(), compression="lz4")
+    layout = group.layout
+    data = block_bytes(layout, 31)
+    written = group.write_blocks([BlockWrite(block_hash(31), given(kind, data))])
+    assert written[0].status is WriteStatus.WRITTEN
+    out = empty(kind, 2 * layout.chunk_nbytes)
+    assert group.read_blocks([BlockRead(block_hash(31), out, [3, 1])])[0].ok
+    assert np.array_equal(host(out), chunk_bytes(layout, data, [3, 1]))
+    close(group)
