@@ -20,9 +20,11 @@ Contract (:class:`Engine`):
 * ``write_file(path, segments, file_nbytes, exclusive=...)`` writes ``(offset, bytes)``
   segments in the order given (a writer killed half way has written a prefix of the list).
   ``exclusive=True``: the file is new (``O_EXCL``, ``O_NOFOLLOW``, the config's owner-only
-  mode) and the segments tile ``[0, file_nbytes)``; it is cut to ``file_nbytes``. Otherwise
+  mode) and the segments tile ``[0, file_nbytes)``; it ends at ``file_nbytes``. Otherwise
   the file may hold other writers' segments and is not truncated. Synced (fdatasync) before
-  returning when the store is durable.
+  returning when the store is durable, unless ``sync=False``: the caller then syncs the file
+  itself (the group store syncs a batch of files after writing them all, so that one journal
+  commit covers many files instead of one each).
 * ``finish_file(path, file_nbytes, segments)``: the committer's last writes on a shared
   temporary file, cut to its final size, synced once.
 * ``read_file(path, segments, file_nbytes, touch_if_older_than_ns, allow_trailer, direct)``
@@ -67,7 +69,13 @@ class Engine(Protocol):
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R | BaseException]: ...
 
     def write_file(
-        self, path: str, segments: Sequence[Segment], file_nbytes: int, *, exclusive: bool
+        self,
+        path: str,
+        segments: Sequence[Segment],
+        file_nbytes: int,
+        *,
+        exclusive: bool,
+        sync: bool = True,
     ) -> None: ...
 
     def finish_file(
@@ -96,7 +104,13 @@ class DeviceEngine(Engine, Protocol):
     accepts_device: bool
 
     def write_file(
-        self, path: str, segments: Sequence[AnySegment], file_nbytes: int, *, exclusive: bool
+        self,
+        path: str,
+        segments: Sequence[AnySegment],
+        file_nbytes: int,
+        *,
+        exclusive: bool,
+        sync: bool = True,
     ) -> None: ...
 
     def finish_file(

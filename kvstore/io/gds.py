@@ -79,18 +79,24 @@ class GdsEngine(HostEngine):
     # -- writes -------------------------------------------------------------------------------
 
     def write_file(
-        self, path: str, segments: Sequence[AnySegment], file_nbytes: int, *, exclusive: bool
+        self,
+        path: str,
+        segments: Sequence[AnySegment],
+        file_nbytes: int,
+        *,
+        exclusive: bool,
+        sync: bool = True,
     ) -> None:
         host = _host_only(segments)
         if host is not None:
-            super().write_file(path, host, file_nbytes, exclusive=exclusive)
+            super().write_file(path, host, file_nbytes, exclusive=exclusive, sync=sync)
         elif exclusive:
-            self._write_new(path, segments, file_nbytes)
+            self._write_new(path, segments, file_nbytes, sync)
         else:
             fd = self.fio.open(path, os.O_WRONLY | os.O_CREAT, self.config.file_mode)
             try:
                 self._write_in_order(path, fd, segments)
-                if self.config.durable:
+                if self.config.durable and sync:
                     self.fio.fdatasync(fd)
             finally:
                 self.fio.close(fd)
@@ -109,7 +115,9 @@ class GdsEngine(HostEngine):
         finally:
             self.fio.close(fd)
 
-    def _write_new(self, path: str, segments: Sequence[AnySegment], file_nbytes: int) -> None:
+    def _write_new(
+        self, path: str, segments: Sequence[AnySegment], file_nbytes: int, sync: bool
+    ) -> None:
         padded = align_up(file_nbytes)  # the staging buffer mirrors the whole file
         direct: list[tuple[int, torch.Tensor]] = []  # (offset, aligned device tensor)
         staging = self._device_staging(padded)
@@ -154,7 +162,7 @@ class GdsEngine(HostEngine):
                 write_fully(
                     self.fio, fd, [_to_host(tail, 0, tail.numel())], file_nbytes - tail.numel()
                 )
-            if self.config.durable:
+            if self.config.durable and sync:
                 self.fio.fdatasync(fd)
         finally:
             self.fio.close(fd)

@@ -7,8 +7,10 @@ Contract of an I/O engine (the GPU engines implement the same):
 * :meth:`HostEngine.write_file` writes byte segments into a block file at fixed offsets, in
   the order given (so a writer killed half way has written a prefix of the list). With
   ``exclusive=True`` the file is new (``O_EXCL``) and the segments tile ``[0, file_nbytes)``;
-  otherwise the file may already hold other writers' segments. It is then truncated to
-  ``file_nbytes`` and, when the store is durable, fdatasync'ed before the call returns.
+  otherwise the file may already hold other writers' segments. A new file ends at
+  ``file_nbytes``; when the store is durable it is fdatasync'ed before the call returns,
+  unless ``sync=False``: then the caller syncs it (the group store writes a whole batch first
+  and syncs it after, so that one journal commit covers many files).
 * :meth:`HostEngine.read_file` reads segments of a published file after checking its size.
 
 Writes of new whole files use O_DIRECT when the probe at start-up passed: page-aligned
@@ -137,11 +139,17 @@ class HostEngine:
     # -- writes -----------------------------------------------------------------------------
 
     def write_file(
-        self, path: str, segments: Sequence[Segment], file_nbytes: int, *, exclusive: bool
+        self,
+        path: str,
+        segments: Sequence[Segment],
+        file_nbytes: int,
+        *,
+        exclusive: bool,
+        sync: bool = True,
     ) -> None:
         """Write ``segments`` into ``path``; see the module docstring for the contract."""
         if exclusive and self.direct.enabled:
-            self._write_new_direct(path, segments, file_nbytes)
+            self._write_new_direct(path, segments, file_nbytes, sync)
             return
         flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else 0)
         fd = self.fio.open(path, flags, self.config.file_mode)
@@ -154,7 +162,7 @@ class HostEngine:
                 self.fio.ftruncate(fd, file_nbytes)
             # Shared (multi-writer) files are never truncated by a writer: other writers'
             # completion markers may lie past file_nbytes; the committer truncates.
-            if self.config.durable:
+            if self.config.durable and sync:
                 self.fio.fdatasync(fd)
         finally:
             self.fio.close(fd)
@@ -172,7 +180,9 @@ class HostEngine:
         finally:
             self.fio.close(fd)
 
-    def _write_new_direct(self, path: str, segments: Sequence[Segment], file_nbytes: int) -> None:
+    def _write_new_direct(
+        self, path: str, segments: Sequence[Segment], file_nbytes: int, sync: bool
+    ) -> None:
         """O_DIRECT write of a whole new file: aligned pieces go straight, the rest is staged."""
         padded = align_up(file_nbytes)
         staging = self._staging.get(padded)
@@ -213,7 +223,7 @@ class HostEngine:
             if len(tail):
                 self.fio.clear_direct(fd)  # F_SETFL: clearing O_DIRECT cannot be refused
                 write_fully(self.fio, fd, [tail], file_nbytes - len(tail))
-            if self.config.durable:
+            if self.config.durable and sync:
                 self.fio.fdatasync(fd)
         finally:
             self.fio.close(fd)

@@ -201,16 +201,27 @@ class GroupStore:
     # -- whole-block writes ------------------------------------------------------------------
 
     def write_blocks(self, writes: Sequence[BlockWrite]) -> list[WriteResult]:
-        """Write and publish whole blocks; blocks already present are skipped (EXISTS)."""
+        """Write and publish whole blocks; blocks already present are skipped (EXISTS).
+
+        Three passes over the batch: write every temporary file; sync each and rename it to
+        its name; sync the directories. Each file is still synced before its rename and each
+        directory after it, as one block at a time would, but syncing the files only once all
+        of them are written lets the file system commit its journal once for many files
+        rather than once per file (about +10-20 % write throughput with 2 MiB blocks, 4
+        threads, ext4; see docs/performance.md).
+        """
         self._check_writable()
-        results = self.engine.map(self._write_one, writes)
+        staged = self.engine.map(self._write_one, writes)
+        results = self.engine.map(self._publish, staged)
         return self._finish_writes(results, [w.block_hash for w in writes])
 
-    def _write_one(self, req: BlockWrite) -> tuple[WriteStatus, str | None]:
+    def _write_one(self, req: BlockWrite) -> str | None:
+        """First pass of :meth:`write_blocks`: the block's temporary file, written but not
+        synced; None when the block is already published."""
         block_hash = check_hash(req.block_hash)
         final = self.path_of(block_hash)
         if self._fio.exists(final):
-            return WriteStatus.EXISTS, None
+            return None
         layout = self.layout
         data = self._data(req.data, host=self._compressed is not None)
         if _nbytes(data) != layout.block_nbytes:
@@ -234,16 +245,40 @@ class GroupStore:
         segments.append((layout.data_end, memoryview(layout.index_bytes)))
         tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:16]}"
         try:
-            self._write_with_dir(tmp, segments, exclusive=True)
-            self._fio.rename(tmp, final)
+            self._write_with_dir(tmp, segments, exclusive=True, sync=False)
         except BaseException:
             self._remove_quietly(tmp)
             raise
+        return tmp
+
+    def _publish(self, staged: str | BaseException | None) -> tuple[WriteStatus, str | None]:
+        """Second pass of :meth:`write_blocks`: sync a written temporary file, then give it
+        its name (never replacing one: FileIO.rename)."""
+        if isinstance(staged, BaseException):
+            raise staged  # the first pass failed: reported as this block's result
+        if staged is None:
+            return WriteStatus.EXISTS, None
+        final = staged[: staged.rindex(TMP_MARK)]
+        try:
+            if self.engine.config.durable:
+                self._sync_file(staged)
+            self._fio.rename(staged, final)
+        except BaseException:
+            self._remove_quietly(staged)
+            raise
         return WriteStatus.WRITTEN, os.path.dirname(final)
+
+    def _sync_file(self, path: str) -> None:
+        """fdatasync a file written (unsynced) earlier in the batch."""
+        fd = self._fio.open(path, os.O_RDONLY)
+        try:
+            self._fio.fdatasync(fd)
+        finally:
+            self._fio.close(fd)
 
     def _write_compressed(
         self, block_hash: bytes, parent: bytes | None, data: memoryview, final: str
-    ) -> tuple[WriteStatus, str | None]:
+    ) -> str:
         """:meth:`_write_one` for a compressed array: the whole packed file, published alike."""
         assert self._compressed is not None
         segments, file_nbytes = self._compressed.segments(
@@ -256,12 +291,11 @@ class GroupStore:
         )
         tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:16]}"
         try:
-            self._write_with_dir(tmp, segments, exclusive=True, file_nbytes=file_nbytes)
-            self._fio.rename(tmp, final)
+            self._write_with_dir(tmp, segments, exclusive=True, file_nbytes=file_nbytes, sync=False)
         except BaseException:
             self._remove_quietly(tmp)
             raise
-        return WriteStatus.WRITTEN, os.path.dirname(final)
+        return tmp
 
     def _header(
         self, block_hash: bytes, parent: bytes | None, created_ns: int, sums: Sequence[int]
@@ -293,6 +327,7 @@ class GroupStore:
         *,
         exclusive: bool,
         file_nbytes: int | None = None,
+        sync: bool = True,
     ) -> None:
         """engine.write_file, recreating a lost fan-out directory of a live array.
 
@@ -302,7 +337,7 @@ class GroupStore:
         """
         size = self.layout.file_nbytes if file_nbytes is None else file_nbytes
         try:
-            self._engine_write(path, segments, size, exclusive)
+            self._engine_write(path, segments, size, exclusive, sync)
         except FileNotFoundError:
             if not self._fio.exists(self._array_prefix + "zarr.json"):
                 raise KvstoreError(
@@ -312,18 +347,18 @@ class GroupStore:
             created = self._fio.makedirs(os.path.dirname(path), self.engine.config.dir_mode)
             if self.engine.config.durable:
                 sync_parents(self._fio, created)
-            self._engine_write(path, segments, size, exclusive)
+            self._engine_write(path, segments, size, exclusive, sync)
 
     def _engine_write(
-        self, path: str, segments: Sequence[AnySegment], size: int, exclusive: bool
+        self, path: str, segments: Sequence[AnySegment], size: int, exclusive: bool, sync: bool
     ) -> None:
         """Device segments to the device engine; host-only lists to any engine."""
         host = _host_segments(segments)
         if host is not None:
-            self.engine.write_file(path, host, size, exclusive=exclusive)
+            self.engine.write_file(path, host, size, exclusive=exclusive, sync=sync)
             return
         assert self._device_engine is not None  # _data keeps tensors only for such engines
-        self._device_engine.write_file(path, segments, size, exclusive=exclusive)
+        self._device_engine.write_file(path, segments, size, exclusive=exclusive, sync=sync)
 
     def _data(self, buffer: object, *, host: bool = False) -> Data:
         """A caller's block bytes as the engine takes them: a flat uint8 tensor for a device
@@ -429,12 +464,24 @@ class GroupStore:
 
         Returns, per item, None or the error (the caller then aborts the block).
         """
-        return [
-            r if isinstance(r, BaseException) else None
-            for r in self.engine.map(self._write_chunks_one, writes)
-        ]
+        return self._write_then_sync(self.engine.map(self._write_chunks_one, writes))
 
-    def _write_chunks_one(self, item: ChunkWrite) -> None:
+    def _write_then_sync(
+        self, written: Sequence[str | BaseException]
+    ) -> list[BaseException | None]:
+        """Sync the pending files a writer's batch wrote (all of them written first, as in
+        :meth:`write_blocks`); per item None or the error."""
+        if self.engine.config.durable:
+            written = self.engine.map(self._sync_written, written)
+        return [r if isinstance(r, BaseException) else None for r in written]
+
+    def _sync_written(self, path: str | BaseException) -> str:
+        if isinstance(path, BaseException):
+            raise path
+        self._sync_file(path)
+        return path
+
+    def _write_chunks_one(self, item: ChunkWrite) -> str:
         layout = self.layout
         pending = item.pending
         data = self._data(item.data)
@@ -456,16 +503,15 @@ class GroupStore:
         for run_start, run_end in _consecutive_runs(chunks):
             slots = fmt.encode_checksums(sums[run_start:run_end])
             segments.append((fmt.checksum_slot_offset(chunks[run_start]), memoryview(slots)))
-        self._write_with_dir(self.temp_path(pending), segments, exclusive=False)
+        path = self.temp_path(pending)
+        self._write_with_dir(path, segments, exclusive=False, sync=False)
+        return path
 
     def write_ranges(self, writes: Sequence[RangeWrite]) -> list[BaseException | None]:
         """Each writer's byte ranges inside inner chunks; checksums are computed at commit."""
-        return [
-            r if isinstance(r, BaseException) else None
-            for r in self.engine.map(self._write_ranges_one, writes)
-        ]
+        return self._write_then_sync(self.engine.map(self._write_ranges_one, writes))
 
-    def _write_ranges_one(self, item: RangeWrite) -> None:
+    def _write_ranges_one(self, item: RangeWrite) -> str:
         layout = self.layout
         if not 0 <= item.writer_slot < MAX_RANGE_WRITERS:
             raise KvstoreError(
@@ -486,7 +532,9 @@ class GroupStore:
                 )
             segments.append((layout.chunk_offset(chunk) + within, data))
         segments.sort(key=lambda s: s[0])
-        self._write_with_dir(self.temp_path(item.pending), segments, exclusive=False)
+        path = self.temp_path(item.pending)
+        self._write_with_dir(path, segments, exclusive=False, sync=False)
+        return path
 
     def _shared_segments(self, pending: PendingBlock) -> list[Segment]:
         """The bytes every writer writes identically: the fixed header and the index."""

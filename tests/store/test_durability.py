@@ -62,12 +62,24 @@ def test_full_durability_whole_blocks(make_store: StoreFactory, direct_io: str) 
     ops = fio.ops
     for h in hashes:
         final = group.path_of(h)
-        (tmp,) = [o[1] for o in ops if o[0] == "open" and o[1].startswith(final + TMP_MARK)]
+        # Opened twice: to write it, then (once the whole batch is written) to sync it.
+        tmps = {o[1] for o in ops if o[0] == "open" and o[1].startswith(final + TMP_MARK)}
+        (tmp,) = tmps
+        written = min(i for i, o in enumerate(ops) if o == ("close", tmp, ""))
         synced = index_of(ops, "fdatasync", tmp)
-        closed = index_of(ops, "close", tmp)
         renamed = index_of(ops, "rename", tmp, final)
         dir_synced = index_of(ops, "fsync_dir", os.path.dirname(final))
-        assert synced < closed < renamed < dir_synced
+        assert written < synced < renamed < dir_synced
+    # The whole batch is written before any of it is synced (one journal commit for many
+    # files): every temporary file's first close (end of its writes) precedes the first sync.
+    first_closes: dict[str, int] = {}
+    for i, o in enumerate(ops):
+        if o[0] == "close" and TMP_MARK in o[1]:
+            first_closes.setdefault(o[1], i)
+    assert len(first_closes) == len(hashes)
+    first_sync = min(i for i, o in enumerate(ops) if o[0] == "fdatasync")
+    assert max(first_closes.values()) < first_sync
+    assert len([o for o in ops if o[0] == "fdatasync"]) == len(hashes)
     # The directory fsync is batched: once per fan-out directory per call, after all renames.
     dir_syncs = [o[1] for o in ops if o[0] == "fsync_dir"]
     assert sorted(dir_syncs) == sorted({os.path.dirname(group.path_of(h)) for h in hashes})
