@@ -115,8 +115,11 @@ class CudaDeviceOps:  # pragma: no cover - needs CUDA; exercised by the gpu test
         return event
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        # cudaHostAlloc memory is page aligned; registered with the driver once, here.
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)[:nbytes]
+        # Page-locked and registered with the driver once, here (the pool keeps it). Sliced to
+        # a 4 KiB boundary so O_DIRECT can write it without another copy.
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
+        skip = -raw.data_ptr() % ALIGN
+        return raw[skip : skip + nbytes]
 
     def device_empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
         raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device=device)

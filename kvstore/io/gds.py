@@ -43,6 +43,7 @@ from kvstore.io.device import DeviceOps
 from kvstore.io.engine import AnySegment, Data
 from kvstore.io.fileio import DEFAULT_FILEIO, FileIO, read_fully, write_fully
 from kvstore.io.host import HostEngine, Segment
+from kvstore.io.staging import DeviceStaging
 from kvstore.store.format import ALIGN, align_up
 
 
@@ -66,8 +67,6 @@ class GdsEngine(HostEngine):
         self.cufiles = cufiles
         self.device = device
         self._local = threading.local()  # per-thread device staging buffer
-        from kvstore.io.staging import DeviceStaging  # noqa: PLC0415 - avoid an import cycle
-
         self.staging = DeviceStaging(ops)
 
     def describe(self) -> str:
