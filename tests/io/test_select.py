@@ -262,3 +262,22 @@ def test_cufile_probe_failure_is_an_answer_not_a_crash(tmp_path: Path) -> None:
     assert not found.ok
     assert "cuFileHandleRegister failed" in found.detail
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-machine answer")
+def test_real_probes_on_a_cpu_machine_pick_the_host_engine(tmp_path: Path) -> None:
+    selection = select_engine(StoreConfig(root=tmp_path, io_mode="auto"))
+    selection.engine.close()
+    assert type(selection.engine) is HostEngine
+    assert selection.line.startswith("kvstore: host engine (no CUDA")
+
+
+def test_opening_a_store_logs_exactly_one_selection_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = StoreConfig(root=tmp_path / "s", durability="none", io_mode="pinned")
+    with caplog.at_level(logging.DEBUG, logger="kvstore"), KVStore(config, probes=probes(Calls())):
+        pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvstore.select"]
+    assert len(lines) == 1
+    assert lines[0].startswith("kvstore: pinned engine (io_mode=pinned, CUDA device Fake H200)")
