@@ -120,6 +120,7 @@ def run_engine(
             for batch in _batches(n):
                 rows = data[batch.start : batch.stop]
                 with staging.store_rows(len(batch), nbytes, device, _copy_from(rows)) as st:
+                    st.ready.synchronize()  # the batch's copy has run (RankIO.write_staged)
                     src: Any = st.rows if staging.on_device else st.rows.numpy()
                     results = group.write_blocks(
                         [BlockWrite(_hash(i), src[k]) for k, i in enumerate(batch)]

@@ -36,8 +36,11 @@ Contract (:class:`Engine`):
 
 Segments hold host memory (``memoryview``). An engine whose ``accepts_device`` is True (the
 GDS engine) also takes contiguous uint8 ``torch.Tensor`` segments: device memory (with the CPU
-stand-ins of the tests, CPU tensors play the device). Every other engine is handed host
-memory only; the group store moves device data through the engine's staging first.
+stand-ins of the tests, CPU tensors play the device). Their bytes must be final when handed
+over: the engine synchronizes the current (default) stream before cuFile reads device memory,
+so work queued on another stream must have been waited on (staging's ``Staged.ready``). Every
+other engine is handed host memory only; the group store copies device data to the host
+first (batches go through the engine's staging, :mod:`kvstore.io.staging`).
 """
 
 from __future__ import annotations
