@@ -48,6 +48,13 @@ def rename_noreplace(src: str, dst: str) -> None:
     2. Where that flag is refused (EINVAL: FUSE file systems such as GlusterFS, NFS),
        ``link(src, dst)`` - which fails with EEXIST on the server, atomically - then
        ``unlink(src)`` (a crash in between leaves a second name, swept as an orphan temp).
+       On a GlusterFS distribute volume ``link`` is atomic only when ``src`` lies on the
+       brick ``dst`` hashes to; otherwise DHT makes it two steps (a link file on ``dst``'s
+       brick, then the link on ``src``'s) that ignore the first step's EEXIST, and two nodes
+       racing can both succeed. The volume option ``cluster.extra-hash-regex
+       '^[.]?([^.].*)[.]tmp-[^.]+$'`` places every ``<name>.tmp-<token>`` on ``<name>``'s
+       brick (docs/shared-filesystems.md). Checking ``dst``'s inode after ``link`` would not
+       catch that race: each client then resolves ``dst`` to its own copy.
     3. Where hard links are missing too, an existence check then ``rename``: two racing
        publishers may both succeed, the later copy replacing the earlier (the same block,
        verified on every read; a reader of the replaced copy on another node may miss).

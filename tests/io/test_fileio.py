@@ -1,16 +1,23 @@
-"""fileio: vectored full writes and reads survive short transfers and IOV_MAX batching."""
+"""fileio: vectored full writes and reads survive short transfers and IOV_MAX batching;
+published temporary names hash like their final names (GlusterFS placement, issue 10)."""
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvstore.config import StoreConfig
 from kvstore.io.fileio import IOV_MAX, FileIO, read_fully, write_fully
+from kvstore.store.page_store import KVStore
+from kvstore.store.types import BlockWrite, ChunkWrite, WriteStatus
+from tests.helpers import block_bytes, block_hash, make_small_identity
+from tests.scaleout.gluster import TMP_HASH_REGEX
 
 
 class ShortIO(FileIO):
@@ -132,3 +139,51 @@ def test_default_fileio_operations(tmp_path: Path) -> None:
     assert Path(path + "2").read_bytes() == b"hel"
     fio.unlink(path + "2")
     assert not fio.exists(path + "2")
+
+
+class RecordingRenames(FileIO):
+    """Records every rename (kvstore renames only to publish, quarantine or trash)."""
+
+    def __init__(self) -> None:
+        self.renames: list[tuple[str, str]] = []
+
+    def rename(self, src: str, dst: str) -> None:
+        self.renames.append((src, dst))
+        super().rename(src, dst)
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_published_temporary_names_hash_like_their_final_names(
+    tmp_path: Path, compression: str
+) -> None:
+    """On GlusterFS publishing is atomic only if the temporary file lies on the brick of its
+    final name, which the volume option ``cluster.extra-hash-regex`` arranges by hashing
+    ``<name>.tmp-<token>`` as ``<name>`` (docs/shared-filesystems.md, issue 10). Every publish
+    kvstore makes - metadata documents, whole blocks, multi-writer commits - must rename a
+    name that regex maps to the final name, in the same directory: a temporary name that
+    stopped matching (a dot in a token, another mark) would silently bring the race back."""
+    regex = re.compile(TMP_HASH_REGEX)
+    fio = RecordingRenames()
+    config = StoreConfig(root=tmp_path / "store", compression=compression)
+    with KVStore(config, fio=fio) as store:
+        group = store.namespace(make_small_identity()).group(0)
+        whole = block_hash(1, "names")
+        (result,) = group.write_blocks([BlockWrite(whole, block_bytes(group.layout, 1))])
+        assert result.status is WriteStatus.WRITTEN
+        multi = block_hash(2, "names")
+        (pending,) = group.begin_blocks([multi], [whole])
+        chunks = list(range(group.layout.num_chunks))
+        (error,) = group.write_chunks([ChunkWrite(pending, chunks, block_bytes(group.layout, 2))])
+        assert error is None
+        (result,) = group.commit_blocks([pending])
+        assert result.status is WriteStatus.WRITTEN
+        finals = {group.path_of(whole), group.path_of(multi)}
+    published = {dst for _, dst in fio.renames}
+    assert finals <= published
+    assert any(os.path.basename(dst) == "zarr.json" for dst in published)
+    for src, dst in fio.renames:
+        assert os.path.dirname(src) == os.path.dirname(dst), (src, dst)
+        match = regex.match(os.path.basename(src))
+        assert match is not None and match.group(1) == os.path.basename(dst), (src, dst)
+    # The regex leaves final names alone (they hash as themselves).
+    assert all(regex.match(os.path.basename(dst)) is None for dst in published)

@@ -47,7 +47,9 @@ def gluster() -> Iterator[gl.GlusterEnv]:
         pytest.skip(reason)
     env = gl.environment()
     reused = gl.healthy(env)
-    if not reused:
+    if reused:
+        gl.ensure_volume_options(env)  # started before kvstore's volume options were added
+    else:
         try:
             env = gl.start()
         except gl.GlusterError as exc:

@@ -17,7 +17,7 @@ every address below exists only inside these namespaces.
   lives on one brick chosen by a hash of its name, so a rename across hash ranges leaves a
   link file; metadata operations cross the network). Bricks are directories on the local
   disk (``force``: gluster refuses bricks on the root file system otherwise). Volume options
-  are GlusterFS 10's defaults.
+  are GlusterFS 10's defaults plus the two kvstore needs (:data:`VOLUME_OPTIONS`).
 * Each glusterd runs in its server namespace through ``ip netns exec``, which also gives it a
   private mount namespace: ``/run/gluster`` and ``/var/log/glusterfs`` are bind-mounted to its
   own directories, its working directory and CLI socket are set in its own ``glusterd.vol``.
@@ -30,7 +30,11 @@ every address below exists only inside these namespaces.
   write-behind, ...), so the two mounts behave towards each other like two machines. Node
   processes of the tests run under ``nsenter --net=<node namespace>`` as well (they need no
   network; it keeps each node's processes apart).
-* Mount options: :data:`MOUNT_OPTIONS` (documented in ``docs/shared-filesystems.md``).
+* Mount options: :data:`MOUNT_OPTIONS`; volume options: :data:`VOLUME_OPTIONS` (both
+  documented in ``docs/shared-filesystems.md``). :func:`ensure_volume_options` sets the latter
+  on an environment started before they were added (the clients reconfigure live).
+* :func:`brick_files` lists what the bricks hold under a directory of the volume (data files
+  and DHT link files): how many copies of a block really exist, whatever each client caches.
 
 :func:`start` is idempotent (an environment already up and healthy is reused) and bounded in
 time; :func:`stop` unmounts, stops the processes in these namespaces (by pid, from ``ip netns
@@ -48,6 +52,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -75,6 +80,22 @@ MOUNT_OPTIONS = (
     f"--entry-timeout={ENTRY_TIMEOUT_S}",
     f"--attribute-timeout={ATTRIBUTE_TIMEOUT_S}",
     f"--negative-timeout={NEGATIVE_TIMEOUT_S}",
+)
+# Volume options kvstore needs on GlusterFS (docs/shared-filesystems.md says why):
+# * extra-hash-regex: DHT places a temporary file ``<name>.tmp-<token>`` (and
+#   ``.zarr.json.tmp-<token>``) on the brick that ``<name>`` hashes to, so that publishing
+#   with link(2) is one link on one brick, atomic (EEXIST). Without it, a link whose source
+#   lies on another brick is two steps (a DHT link file on the name's brick, then the link on
+#   the source's brick) that ignore the first step's EEXIST: two nodes publishing one block at
+#   once can both succeed, leaving two copies. No backslashes: the volfile parser rejects them.
+# * remote-dio: the clients drop O_DIRECT before it reaches the bricks. A brick that opens a
+#   file with O_DIRECT writes each fragment of a request separately, and under load a
+#   request arriving in fragments of odd sizes fails with EINVAL (seen here: the fdatasync
+#   after O_DIRECT writes fails, the block write fails).
+TMP_HASH_REGEX = "^[.]?([^.].*)[.]tmp-[^.]+$"
+VOLUME_OPTIONS: tuple[tuple[str, str], ...] = (
+    ("cluster.extra-hash-regex", TMP_HASH_REGEX),
+    ("network.remote-dio", "enable"),
 )
 APT_PACKAGES = ("glusterfs-server", "glusterfs-client")
 TOOLS = ("glusterd", "glusterfs", "gluster", "ip", "nsenter", "mount", "umount")
@@ -193,6 +214,7 @@ def start(base: Path = BASE, timeout_s: float = START_TIMEOUT_S) -> GlusterEnv:
     """Start the environment (or reuse a healthy running one); raises :class:`GlusterError`."""
     env = environment(base)
     if healthy(env):
+        ensure_volume_options(env)
         return env
     reason = unavailable_reason()
     if reason is not None:
@@ -212,6 +234,8 @@ def start(base: Path = BASE, timeout_s: float = START_TIMEOUT_S) -> GlusterEnv:
         _wait(lambda: _peers_connected(env), deadline, "peers connected")
         bricks = [f"{address}:{base / name / 'brick'}" for name, address in SERVERS]
         _cli(env, "volume", "create", VOLUME, "transport", "tcp", *bricks, "force")
+        for key, value in VOLUME_OPTIONS:
+            _cli(env, "volume", "set", VOLUME, key, value)
         _cli(env, "volume", "start", VOLUME)
         _wait(lambda: _bricks_online(env) == len(SERVERS), deadline, "bricks online")
         for node in env.nodes:
@@ -289,6 +313,44 @@ def _cli(env: GlusterEnv, *args: str, check: bool = True) -> subprocess.Complete
         *args,
     ]
     return _run(argv, check=check)
+
+
+def ensure_volume_options(env: GlusterEnv) -> None:
+    """Set any of :data:`VOLUME_OPTIONS` the running volume lacks (clients pick them up live)."""
+    changed = False
+    for key, value in VOLUME_OPTIONS:
+        out = _cli(env, "volume", "get", VOLUME, key, check=False).stdout
+        current = [ln.split(None, 1) for ln in out.splitlines() if ln.startswith(key)]
+        if not current or len(current[0]) < 2 or current[0][1].split(" (")[0].strip() != value:
+            _cli(env, "volume", "set", VOLUME, key, value)
+            changed = True
+    if changed:
+        time.sleep(2)  # the clients fetch the new volfile and reconfigure
+
+
+def brick_files(env: GlusterEnv, relative: str) -> dict[str, dict[str, int]]:
+    """Regular files under ``relative`` (a directory of the volume) as the bricks hold them:
+    per path, ``data`` (real copies, on any brick) and ``link`` (DHT link files, which point
+    to the brick holding the data). Read from the bricks directly, bypassing every cache."""
+    out: dict[str, dict[str, int]] = {}
+    for name, _ in SERVERS:
+        top = env.base / name / "brick" / relative
+        for dirpath, _dirs, files in os.walk(top):
+            for file in files:
+                path = Path(dirpath) / file
+                try:
+                    if not stat.S_ISREG(path.lstat().st_mode):
+                        continue
+                except FileNotFoundError:
+                    continue
+                try:
+                    os.getxattr(path, "trusted.glusterfs.dht.linkto", follow_symlinks=False)
+                    kind = "link"
+                except OSError:
+                    kind = "data"
+                counts = out.setdefault(str(path.relative_to(top)), {"data": 0, "link": 0})
+                counts[kind] += 1
+    return out
 
 
 def _peers_connected(env: GlusterEnv) -> bool:

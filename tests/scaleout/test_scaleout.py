@@ -238,12 +238,6 @@ def test_ranks_on_both_nodes_write_one_block(gluster: gl.GlusterEnv, shared: Sha
 # -- 3. both nodes write the same prefixes ---------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known gap (issue 10 stays open): under CPU load, two nodes publishing the same "
-    "block head-on through GlusterFS sometimes both win the no-replace publish, and a read "
-    "right after can miss the replaced copy; never a wrong or torn page",
-)
 @pytest.mark.parametrize(
     ("mode_a", "mode_b", "order_b"),
     [("whole", "multi", "same"), ("whole", "whole", "same"), ("multi", "whole", "reversed")],
@@ -276,18 +270,20 @@ def test_same_prefixes_from_both_nodes(
     ra, rb = pa.result(), pb.result()
     sa, sb = dict(ra["statuses"]), dict(rb["statuses"])
     outcomes = {i: (sa[i], sb[i]) for i in indices}
-    # Every block is acknowledged by at least one node and neither node fails. Normally exactly
-    # one publish wins (no-replace rename); where GlusterFS refuses the atomic primitives the
-    # fallback (check, then rename) can let both win - the later copy replaces an identical
-    # one, never a torn or foreign one, which the reads and verify below check.
-    bad = {
-        i: o
-        for i, o in outcomes.items()
-        if "written" not in o or not set(o) <= {"written", "exists"}
-    }
-    assert not bad, f"expected every block written, never failed: {list(bad.items())[:10]}"
-    double = sum(o == ("written", "written") for o in outcomes.values())
+    # Exactly one node publishes each block (WRITTEN), the other finds it there (EXISTS), and
+    # neither fails: FileIO.rename publishes with link(2), which the volume's extra-hash-regex
+    # makes a single link on one brick (the temporary file lies on the final name's brick), so
+    # EEXIST is atomic. Without that option two racing links could both succeed (issue 10).
+    bad = {i: o for i, o in outcomes.items() if sorted(o) != ["exists", "written"]}
+    assert not bad, f"expected one WRITTEN and one EXISTS per block: {list(bad.items())[:10]}"
     assert tmp_files(shared.a) == []
+    # What the bricks hold, bypassing every client cache: one data file per block, no DHT
+    # link files (a link file means a publish crossed bricks).
+    bricks = gl.brick_files(gluster, shared.name)
+    on_bricks = {path: counts for path, counts in bricks.items() if "/c/" in path}
+    copies = sorted({c["data"] for c in on_bricks.values()})
+    link_files = sum(c["link"] for c in on_bricks.values())
+    assert len(on_bricks) == n and copies == [1] and link_files == 0, (copies, link_files)
     reads_a = _read_all(shared.a, salt, indices)
     reads_b = _read_all(shared.b, salt, indices)
     for reads in (reads_a, reads_b):
@@ -300,11 +296,11 @@ def test_same_prefixes_from_both_nodes(
         written_by_a=sum(s == "written" for s in sa.values()),
         written_by_b=sum(s == "written" for s in sb.values()),
         lost_at_rename=ra["rename_conflicts"] + rb["rename_conflicts"],
-        copies_per_block=1,
-        both_published=double,
+        copies_per_block=copies[0],
+        dht_link_files=link_files,
         hits_on_a=reads_a["hit"],
         hits_on_b=reads_b["hit"],
-        torn=0,
+        torn=reads_a["other"] + reads_b["other"],
         wrong=reads_a["wrong"] + reads_b["wrong"],
         seconds_a=ra["seconds"],
         seconds_b=rb["seconds"],
