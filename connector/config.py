@@ -40,6 +40,7 @@ VLLM_KEYS = frozenset(
     }
 )
 
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Everything the kvstore connector reads from ``kv_connector_extra_config``."""

@@ -5,7 +5,7 @@ identities from their ``zarr.json``; :func:`scan_store` lists every file below i
 into one of:
 
 * **block**: a published shard file ``<ns>/g<k>/c/0/…/0/<hi>/<lo>`` (decimal ``lo`` < 2^62);
-* **temp**: a file being written (``<lo>.tmp-<token>``) or a metadata document being replaced
+* **temp**: a file being written (``.<lo>.tmp-<token>``) or a metadata document being replaced
   (``.zarr.json.tmp-*``), or a left-over O_DIRECT probe (``.kvstore-probe-*``) in the root;
 * **foreign**: anything else inside a namespace (a file with another name in a fan-out
   directory, a sub-directory there, an unknown entry of a namespace, array or ``c/`` tree), and
@@ -369,7 +369,9 @@ def _scan_fanout(
         if lo is not None:
             scan.blocks.append(_entry(BLOCK, entry.path, ns.name, group.index, hi, lo, st))
             continue
-        base, mark, _token = name.partition(TMP_MARK)
+        # ``.<lo>.tmp-<token>`` (group_store.temp_path_for); ``<lo>.tmp-<token>`` from
+        # versions before the dot-name (still swept).
+        base, mark, _token = name.removeprefix(".").partition(TMP_MARK)
         lo = parse_lo(base) if mark else None
         if lo is not None:
             scan.temps.append(_entry(TEMP, entry.path, ns.name, group.index, hi, lo, st))

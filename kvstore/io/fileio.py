@@ -51,10 +51,11 @@ def rename_noreplace(src: str, dst: str) -> None:
        On a GlusterFS distribute volume ``link`` is atomic only when ``src`` lies on the
        brick ``dst`` hashes to; otherwise DHT makes it two steps (a link file on ``dst``'s
        brick, then the link on ``src``'s) that ignore the first step's EEXIST, and two nodes
-       racing can both succeed. The volume option ``cluster.extra-hash-regex
-       '^[.]?([^.].*)[.]tmp-[^.]+$'`` places every ``<name>.tmp-<token>`` on ``<name>``'s
-       brick (docs/shared-filesystems.md). Checking ``dst``'s inode after ``link`` would not
-       catch that race: each client then resolves ``dst`` to its own copy.
+       racing can both succeed. kvstore's rsync-style temporary names
+       (``.<name>.tmp-<token>``, :func:`kvstore.store.group_store.temp_path_for`) are placed on
+       ``<name>``'s brick by GlusterFS's default ``rsync-hash-regex``
+       (docs/shared-filesystems.md). Checking ``dst``'s inode after ``link`` would not catch
+       that race: each client then resolves ``dst`` to its own copy.
     3. Where hard links are missing too, an existence check then ``rename``: two racing
        publishers may both succeed, the later copy replacing the earlier (the same block,
        verified on every read; a reader of the replaced copy on another node may miss).
@@ -78,6 +79,31 @@ def rename_noreplace(src: str, dst: str) -> None:
     if os.path.lexists(dst):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), src, None, dst)
     os.rename(src, dst)
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str:
+    """The type of the file system holding ``path`` as the kernel names it ("ext4", "xfs",
+    "tmpfs", "fuse.glusterfs", "nfs4", ...), from the longest mount point above it in
+    ``/proc/self/mountinfo``; "" where that cannot be read (not Linux)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    target = os.path.realpath(path)
+    best, kind = -1, ""
+    for line in lines:
+        fields = line.split()
+        try:
+            separator = fields.index("-")
+            mount_point = fields[4].replace("\\040", " ")
+            fs_type = fields[separator + 1]
+        except (ValueError, IndexError):
+            continue
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) > best:
+            best, kind = len(mount_point), fs_type
+    return kind
 
 
 class FileIO:

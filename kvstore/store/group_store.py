@@ -79,6 +79,26 @@ from kvstore.store.types import (
 log = logging.getLogger("kvstore")
 
 TMP_MARK = ".tmp-"
+
+
+def temp_path_for(final: str, token: str) -> str:
+    """The temporary file that becomes ``final``: ``<dir>/.<name>.tmp-<token>``.
+
+    The dot-name shape is rsync's, which distributed file systems place like the final name:
+    GlusterFS's default ``rsync-hash-regex`` (``^\\.(.+)\\.[^.]+$``) hashes it as ``<name>``, so
+    temporary and final name live on the same brick and publishing with ``link(2)`` is one
+    atomic link there. With any other shape, half the temporary files land on another brick
+    and DHT's two-step cross-brick link lets two nodes both publish one block (measured:
+    docs/shared-filesystems.md). Tokens never contain a dot.
+    """
+    directory, name = os.path.split(final)
+    return os.path.join(directory, f".{name}{TMP_MARK}{token}")
+
+
+def final_path_of(temp: str) -> str:
+    """Inverse of :func:`temp_path_for`."""
+    directory, name = os.path.split(temp)
+    return os.path.join(directory, name[1 : name.rindex(TMP_MARK)])
 SLOW_PROBE_S = 50e-6  # an existence probe slower than this is a network round trip
 MAX_RANGE_WRITERS = 4096  # completion-marker bytes a pending file may carry past its end
 _ZEROS = memoryview(bytes(fmt.ALIGN))
@@ -243,7 +263,7 @@ class GroupStore:
                 segments.append((layout.chunk_offset(c), data[start : start + layout.chunk_nbytes]))
                 segments.append((layout.chunk_offset(c) + layout.chunk_nbytes, pad))
         segments.append((layout.data_end, memoryview(layout.index_bytes)))
-        tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:16]}"
+        tmp = temp_path_for(final, uuid.uuid4().hex[:16])
         try:
             self._write_with_dir(tmp, segments, exclusive=True, sync=False)
         except BaseException:
@@ -258,7 +278,7 @@ class GroupStore:
             raise staged  # the first pass failed: reported as this block's result
         if staged is None:
             return WriteStatus.EXISTS, None
-        final = staged[: staged.rindex(TMP_MARK)]
+        final = final_path_of(staged)
         try:
             if self.engine.config.durable:
                 self._sync_file(staged)
@@ -289,7 +309,7 @@ class GroupStore:
             data,
             self.layout.chunk_nbytes,
         )
-        tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:16]}"
+        tmp = temp_path_for(final, uuid.uuid4().hex[:16])
         try:
             self._write_with_dir(tmp, segments, exclusive=True, file_nbytes=file_nbytes, sync=False)
         except BaseException:
@@ -457,7 +477,7 @@ class GroupStore:
     def temp_path(self, pending: PendingBlock) -> str:
         """The temporary file all writers of ``pending`` fill."""
         self._check_pending(pending)
-        return f"{self.path_of(pending.block_hash)}{TMP_MARK}{pending.token}"
+        return temp_path_for(self.path_of(pending.block_hash), pending.token)
 
     def write_chunks(self, writes: Sequence[ChunkWrite]) -> list[BaseException | None]:
         """Each writer's whole inner chunks, with their checksums, into the pending files.
@@ -576,7 +596,7 @@ class GroupStore:
                 return WriteStatus.EXISTS, None
             slot_writes = self._complete_checksums(tmp, pending, chunks, range_writers)
             if self._compressed is not None:  # writers wrote raw chunks: compress, then publish
-                packed = f"{final}{TMP_MARK}{uuid.uuid4().hex[:16]}"
+                packed = temp_path_for(final, uuid.uuid4().hex[:16])
                 self._compressed.publish_from_raw(tmp, packed, final, pending, slot_writes)
                 return WriteStatus.WRITTEN, os.path.dirname(final)
             self.engine.finish_file(tmp, self.layout.file_nbytes, slot_writes)

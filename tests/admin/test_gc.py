@@ -15,6 +15,7 @@ import pytest
 
 from kvstore.admin import gc
 from kvstore.admin.gc import Block, Evicted, Policy, evict
+from kvstore.store.group_store import temp_path_for
 from kvstore.store.types import BlockRead, ReadStatus
 from tests.admin.util import (
     NS_PER_S,
@@ -204,17 +205,24 @@ def test_parent_links_need_the_full_hash() -> None:
     assert [x.path for x in out.evicted] == ["/a", "/b"] and out.usage == 0
 
 
+@pytest.mark.parametrize("shape", ["current", "legacy"])
 def test_temps_and_quarantine_count_and_over_budget(
-    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str], shape: str
 ) -> None:
+    """Temporary files are counted and crashed writers' swept, in today's rsync-style shape
+    (``.<lo>.tmp-<token>``) and in the shape of earlier versions (``<lo>.tmp-<token>``)."""
     store = make_store()
     ident = make_small_identity()
     group = store.namespace(ident).group(0)
     paths = write(group, [block_hash(i) for i in range(3)])
     size = group.layout.file_nbytes
-    young = paths[0] + ".tmp-0000000000000001"
+
+    def temp(path: str, token: str) -> str:
+        return temp_path_for(path, token) if shape == "current" else f"{path}.tmp-{token}"
+
+    young = temp(paths[0], "0000000000000001")
     Path(young).write_bytes(b"y" * size)  # a write in flight: counted, kept
-    old = paths[1] + ".tmp-0000000000000002"
+    old = temp(paths[1], "0000000000000002")
     Path(old).write_bytes(b"o" * size)
     set_mtime(old, time.time_ns() - 7200 * NS_PER_S)  # a crashed writer's: swept
     rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 3 * size)

@@ -17,7 +17,7 @@ from kvstore.io.fileio import IOV_MAX, FileIO, read_fully, write_fully
 from kvstore.store.page_store import KVStore
 from kvstore.store.types import BlockWrite, ChunkWrite, WriteStatus
 from tests.helpers import block_bytes, block_hash, make_small_identity
-from tests.scaleout.gluster import TMP_HASH_REGEX
+from tests.scaleout.gluster import GLUSTER_RSYNC_HASH_REGEX
 
 
 class ShortIO(FileIO):
@@ -157,12 +157,13 @@ def test_published_temporary_names_hash_like_their_final_names(
     tmp_path: Path, compression: str
 ) -> None:
     """On GlusterFS publishing is atomic only if the temporary file lies on the brick of its
-    final name, which the volume option ``cluster.extra-hash-regex`` arranges by hashing
-    ``<name>.tmp-<token>`` as ``<name>`` (docs/shared-filesystems.md, issue 10). Every publish
-    kvstore makes - metadata documents, whole blocks, multi-writer commits - must rename a
-    name that regex maps to the final name, in the same directory: a temporary name that
-    stopped matching (a dot in a token, another mark) would silently bring the race back."""
-    regex = re.compile(TMP_HASH_REGEX)
+    final name. A default volume hashes rsync-style names ``.<name>.<suffix>`` as ``<name>``
+    (``cluster.rsync-hash-regex``), so kvstore names every temporary file that way
+    (docs/shared-filesystems.md, issue 10). Every publish kvstore makes - metadata documents,
+    whole blocks, multi-writer commits - must rename a name that regex maps to the final name,
+    in the same directory: a temporary name that stopped matching (a dot in a token, another
+    shape) would silently bring the race back."""
+    regex = re.compile(GLUSTER_RSYNC_HASH_REGEX)
     fio = RecordingRenames()
     config = StoreConfig(root=tmp_path / "store", compression=compression)
     with KVStore(config, fio=fio) as store:

@@ -16,8 +16,9 @@ import pytest
 from kvstore.config import StoreConfig
 from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError
 from kvstore.identity import Identity
+from kvstore.io import host
 from kvstore.io.buffers import aligned_buffer, is_aligned
-from kvstore.io.fileio import O_DIRECT, FileIO
+from kvstore.io.fileio import O_DIRECT, FileIO, filesystem_type
 from kvstore.io.host import HostEngine, probe_direct_io
 from kvstore.store.format import ShardLayout
 from kvstore.store.group_store import TMP_MARK
@@ -86,6 +87,34 @@ def test_probe_falls_back_with_one_log_line(
     assert fio.opens
     assert all(not flags & O_DIRECT for _, flags in fio.opens)
     assert [p.name for p in root.iterdir() if p.name.startswith(".kvstore-probe")] == []
+
+
+@needs_o_direct
+def test_fuse_file_systems_write_buffered_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FUSE passes O_DIRECT on to its servers (GlusterFS bricks then fail odd fragments under
+    load): "auto" writes buffered there without probing; "on" still probes and uses it."""
+    if not o_direct_works(tmp_path):
+        pytest.skip("the test filesystem refuses O_DIRECT")
+    monkeypatch.setattr(host, "filesystem_type", lambda _path: "fuse.glusterfs")
+    fio = NoDirectIO()
+    auto = probe_direct_io(tmp_path, "auto", fio)
+    assert auto == host.DirectIOProbe(
+        False, "fuse.glusterfs file system: O_DIRECT is left to its servers"
+    )
+    assert fio.opens == []  # no probe file
+    assert probe_direct_io(tmp_path, "on").enabled
+
+
+def test_filesystem_type_names_the_mount(tmp_path: Path) -> None:
+    kind = filesystem_type(tmp_path)
+    if not Path("/proc/self/mountinfo").exists():
+        assert kind == ""
+        return
+    assert kind and " " not in kind
+    assert filesystem_type("/proc") == "proc"
+    assert filesystem_type(tmp_path / "not" / "there") == kind  # nearest mount above it
 
 
 @needs_o_direct

@@ -17,7 +17,7 @@ every address below exists only inside these namespaces.
   lives on one brick chosen by a hash of its name, so a rename across hash ranges leaves a
   link file; metadata operations cross the network). Bricks are directories on the local
   disk (``force``: gluster refuses bricks on the root file system otherwise). Volume options
-  are GlusterFS 10's defaults plus the two kvstore needs (:data:`VOLUME_OPTIONS`).
+  are GlusterFS 10's defaults (:data:`VOLUME_OPTIONS` is empty: kvstore needs none).
 * Each glusterd runs in its server namespace through ``ip netns exec``, which also gives it a
   private mount namespace: ``/run/gluster`` and ``/var/log/glusterfs`` are bind-mounted to its
   own directories, its working directory and CLI socket are set in its own ``glusterd.vol``.
@@ -81,22 +81,19 @@ MOUNT_OPTIONS = (
     f"--attribute-timeout={ATTRIBUTE_TIMEOUT_S}",
     f"--negative-timeout={NEGATIVE_TIMEOUT_S}",
 )
-# Volume options kvstore needs on GlusterFS (docs/shared-filesystems.md says why):
-# * extra-hash-regex: DHT places a temporary file ``<name>.tmp-<token>`` (and
-#   ``.zarr.json.tmp-<token>``) on the brick that ``<name>`` hashes to, so that publishing
-#   with link(2) is one link on one brick, atomic (EEXIST). Without it, a link whose source
-#   lies on another brick is two steps (a DHT link file on the name's brick, then the link on
-#   the source's brick) that ignore the first step's EEXIST: two nodes publishing one block at
-#   once can both succeed, leaving two copies. No backslashes: the volfile parser rejects them.
-# * remote-dio: the clients drop O_DIRECT before it reaches the bricks. A brick that opens a
-#   file with O_DIRECT writes each fragment of a request separately, and under load a
-#   request arriving in fragments of odd sizes fails with EINVAL (seen here: the fdatasync
-#   after O_DIRECT writes fails, the block write fails).
-TMP_HASH_REGEX = "^[.]?([^.].*)[.]tmp-[^.]+$"
-VOLUME_OPTIONS: tuple[tuple[str, str], ...] = (
-    ("cluster.extra-hash-regex", TMP_HASH_REGEX),
-    ("network.remote-dio", "enable"),
-)
+# GlusterFS's default cluster.rsync-hash-regex: DHT places ``.<name>.<suffix>`` on the brick
+# that ``<name>`` hashes to. kvstore's temporary names have that shape
+# (kvstore.store.group_store.temp_path_for), so publishing with link(2) is one atomic link on
+# one brick. A temporary name of another shape lands on another brick for about half the
+# blocks, and DHT's cross-brick link is two steps that ignore the first step's EEXIST: two
+# nodes publishing one block at once could both succeed (docs/shared-filesystems.md).
+GLUSTER_RSYNC_HASH_REGEX = r"^\.(.+)\.[^.]+$"
+# The volume runs with GlusterFS's defaults: kvstore needs no volume option (O_DIRECT, which
+# bricks can fail under load without network.remote-dio, is off by default on FUSE mounts:
+# kvstore.io.host.probe_direct_io). Options listed here are set at start and on a reused
+# environment; an option set by an earlier version of this module is reset to its default.
+VOLUME_OPTIONS: tuple[tuple[str, str], ...] = ()
+RESET_OPTIONS = ("cluster.extra-hash-regex", "network.remote-dio")
 APT_PACKAGES = ("glusterfs-server", "glusterfs-client")
 TOOLS = ("glusterd", "glusterfs", "gluster", "ip", "nsenter", "mount", "umount")
 COMMAND_TIMEOUT_S = 30
@@ -319,13 +316,26 @@ def ensure_volume_options(env: GlusterEnv) -> None:
     """Set any of :data:`VOLUME_OPTIONS` the running volume lacks (clients pick them up live)."""
     changed = False
     for key, value in VOLUME_OPTIONS:
-        out = _cli(env, "volume", "get", VOLUME, key, check=False).stdout
-        current = [ln.split(None, 1) for ln in out.splitlines() if ln.startswith(key)]
-        if not current or len(current[0]) < 2 or current[0][1].split(" (")[0].strip() != value:
+        if _volume_option(env, key) != value:
             _cli(env, "volume", "set", VOLUME, key, value)
+            changed = True
+    for key in RESET_OPTIONS:
+        if key not in dict(VOLUME_OPTIONS) and _volume_option(env, key) not in ("", None):
+            _cli(env, "volume", "reset", VOLUME, key, check=False)
             changed = True
     if changed:
         time.sleep(2)  # the clients fetch the new volfile and reconfigure
+
+
+def _volume_option(env: GlusterEnv, key: str) -> str | None:
+    """The volume's value of ``key`` when it was set explicitly, None when it is the default
+    (``gluster volume info`` lists only reconfigured options)."""
+    out = _cli(env, "volume", "info", VOLUME, check=False).stdout
+    for line in out.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == key:
+            return value.strip()
+    return None
 
 
 def brick_files(env: GlusterEnv, relative: str) -> dict[str, dict[str, int]]:

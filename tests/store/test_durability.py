@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.store.group_store import TMP_MARK, GroupStore
+from kvstore.store.group_store import TMP_MARK, GroupStore, temp_path_for
 from kvstore.store.types import (
     BlockRead,
     BlockWrite,
@@ -63,7 +63,7 @@ def test_full_durability_whole_blocks(make_store: StoreFactory, direct_io: str) 
     for h in hashes:
         final = group.path_of(h)
         # Opened twice: to write it, then (once the whole batch is written) to sync it.
-        tmps = {o[1] for o in ops if o[0] == "open" and o[1].startswith(final + TMP_MARK)}
+        tmps = {o[1] for o in ops if o[0] == "open" and o[1].startswith(temp_path_for(final, ""))}
         (tmp,) = tmps
         written = min(i for i, o in enumerate(ops) if o == ("close", tmp, ""))
         synced = index_of(ops, "fdatasync", tmp)

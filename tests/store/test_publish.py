@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvstore.io.fileio import FileIO
-from kvstore.store.group_store import TMP_MARK, GroupStore
+from kvstore.store.group_store import TMP_MARK, GroupStore, temp_path_for
 from kvstore.store.metadata import ZARR_JSON
 from kvstore.store.types import (
     BlockRead,
@@ -166,9 +166,9 @@ def test_one_failure_does_not_fail_the_batch(
     make_store: StoreFactory, root: Path, fault: str
 ) -> None:
     hashes = [block_hash(i, "batch") for i in range(4)]
-    # The target is the bad block's final path, which is its temp file's prefix.
+    # The target is the bad block's temporary file name without its token.
     probe_group = make_store().namespace(make_small_identity()).group(0)
-    target = probe_group.path_of(hashes[2])
+    target = temp_path_for(probe_group.path_of(hashes[2]), "")
     group, _ = faulty_group(make_store, fault, "auto", target=target)
     datas = [block_bytes(group.layout, 10 + i) for i in range(4)]
     results = group.write_blocks([BlockWrite(h, d) for h, d in zip(hashes, datas, strict=True)])
