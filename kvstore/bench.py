@@ -455,8 +455,31 @@ def markdown_report(report: dict[str, Any], plots: Sequence[Path], page_dir: Pat
         for png in PLOT_FILES.get(key, []):
             if png in names:
                 lines += ["", f"![{png}]({png})"]
+    lines += _scaleout_section(page_dir)
     lines += ["", *_notes(report)]
     return "\n".join(lines) + "\n"
+
+
+def _scaleout_section(page_dir: Path) -> list[str]:
+    """The scale-out figures (``scaleout.md`` beside the page, written by
+    ``scripts/bench_scaleout.sh``, which needs root and GlusterFS), embedded as they are, so
+    that the page holds every figure: its headings one level down, its title replaced."""
+    source = page_dir / "scaleout.md"
+    if not source.is_file():
+        return []
+    body = source.read_text(encoding="utf-8").splitlines()
+    if body and body[0].startswith("# "):
+        body = body[1:]
+    demoted = ["#" + line if line.startswith("#") else line for line in body]
+    return [
+        "",
+        "## Scale-out: GlusterFS (FUSE) vs the local disk under it",
+        "",
+        "Copied from [scaleout.md](scaleout.md) when this page was written; that page is "
+        "produced by `scripts/bench_scaleout.sh` (root and GlusterFS needed), not by the run "
+        "above.",
+        *demoted,
+    ]
 
 
 def _notes(report: dict[str, Any]) -> list[str]:
