@@ -159,8 +159,9 @@ def wsum64_finalize(h: int, nbytes: int) -> int:
 def wsum64_sums(rows: torch.Tensor) -> torch.Tensor:
     """The raw word sums ``h`` (int64, one per row) of a 2-D uint8 tensor, on its device.
 
-    Rows whose length is not a multiple of 4, or whose address is not 4-byte aligned, are
-    copied once (zero-padded) so they can be viewed as int32 words.
+    Rows whose length is not a multiple of 4, or whose address or storage offset is not
+    4-byte aligned (``Tensor.view(torch.int32)`` checks the offset), are copied once
+    (zero-padded) so they can be viewed as int32 words.
     """
     if rows.dim() != 2 or rows.dtype != torch.uint8:
         raise ValueError(
@@ -168,7 +169,13 @@ def wsum64_sums(rows: torch.Tensor) -> torch.Tensor:
         )
     n, nbytes = rows.shape
     words = -(-nbytes // 4)
-    if nbytes % 4 or rows.stride(1) != 1 or rows.stride(0) % 4 or rows.data_ptr() % 4:
+    if (
+        nbytes % 4
+        or rows.stride(1) != 1
+        or rows.stride(0) % 4
+        or rows.data_ptr() % 4
+        or rows.storage_offset() % 4
+    ):
         padded = torch.zeros(n, words * 4, dtype=torch.uint8, device=rows.device)
         padded[:, :nbytes] = rows
         rows = padded

@@ -12,15 +12,25 @@
 # Logs go to $OUT (when set) or ./gpu-check-out. Every step has its own timeout; a failing
 # step is reported and the next one still runs. Exit status: 0 when the gpu tests passed.
 #
-# Environment: PYTHON (default python3), GIB (data per system, default 2), THREADS (8),
-# SCRATCH (benchmark directory, default ./bench-scratch: put it on the filesystem to test),
-# INSTALL=0 to install nothing (a dry run on a development machine).
+# Environment: PYTHON (default python3, or ./.venv/bin/python when python3 has no torch),
+# GIB (data per system, default 2), THREADS (8), SCRATCH (benchmark directory, default
+# ./bench-scratch: put it on the filesystem to test), INSTALL=0 to install nothing (a dry run
+# on a development machine).
+#
+# Install: every wheel in ./.wheels with `pip install --no-index --no-deps` (offline; letting
+# pip resolve kvikio's dependencies would fail on cupy-cuda13x[ctk] extras it cannot fetch),
+# then this project editable with --no-deps (pyproject asks torch>=2.13; the GPU machine's
+# torch 2.11 is kept, and the device paths use nothing newer). Without setuptools there the
+# editable install fails and PYTHONPATH does the job.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
 OUT_DIR="${OUT:-./gpu-check-out}"
 mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"
+if [ -z "${PYTHON:-}" ] && ! "$PY" -c 'import torch' >/dev/null 2>&1 && [ -x .venv/bin/python ]; then
+    PY=.venv/bin/python  # a development machine: python3 without torch, the project's venv
+fi
 GIB="${GIB:-2}"
 THREADS="${THREADS:-8}"
 SCRATCH="${SCRATCH:-./bench-scratch}"
@@ -49,26 +59,29 @@ step gds-tools 30 bash -c 'ls /usr/local/cuda*/gds/tools/gdscheck* 2>/dev/null &
 mount | grep -E " $(df --output=target "$PWD" | tail -1) " | tee -a "$SUMMARY"
 
 # 2. what is missing, installed from carried wheels ------------------------------------------
-step missing 60 "$PY" - <<'EOF'
+cat >"$OUT_DIR/missing.py" <<'EOF'
 import importlib
-need = ["torch", "numpy", "xxhash", "crc32c", "zarr", "numcodecs", "pytest", "kvikio"]
+need = ["torch", "numpy", "xxhash", "crc32c", "zarr", "numcodecs", "pytest",
+        "cupy", "cuda.pathfinder", "libkvikio", "rapids_logger", "kvikio"]
 missing = []
 for name in need:
     try:
         importlib.import_module(name)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - kvikio's loader raises RuntimeError, not ImportError
         missing.append(name)
-        print(f"missing: {name} ({exc})")
+        print(f"missing: {name} ({type(exc).__name__}: {exc})")
 print("MISSING=" + " ".join(missing))
 EOF
+note "python: $PY"
+step missing 60 "$PY" "$OUT_DIR/missing.py"
 MISSING="$(grep -o 'MISSING=.*' "$OUT_DIR/missing.log" | cut -d= -f2-)"
 if [ -n "$MISSING" ] && [ "$INSTALL" = 1 ]; then
-    if [ -d .wheels ]; then
-        # kvikio's wheel is named kvikio-cu12 / kvikio-cu13; install whatever was carried.
-        step install 240 "$PY" -m pip install --no-index --find-links .wheels \
-            $(ls .wheels/*.whl 2>/dev/null | xargs -n1 basename | sed 's/-[0-9].*//' | sort -u)
+    if compgen -G ".wheels/*.whl" >/dev/null; then
+        # Offline and without dependency resolution: the carried set is complete by design.
+        step install 240 "$PY" -m pip install --no-index --no-deps .wheels/*.whl
+        step missing-after 60 "$PY" "$OUT_DIR/missing.py"
     else
-        note "no ./.wheels directory: cannot install ($MISSING); continuing without"
+        note "no wheels in ./.wheels: cannot install ($MISSING); continuing without"
     fi
 fi
 if [ "$INSTALL" = 1 ]; then
@@ -84,8 +97,12 @@ if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
 try:
     import kvikio
+    import kvikio.defaults  # not imported by `import kvikio`
     from kvstore.io.cufile import kvikio_compat_mode
     print("kvikio", getattr(kvikio, "__version__", "?"), "compat mode", kvikio_compat_mode(kvikio))
+    for key in ("compat_mode", "num_threads", "gds_threshold", "task_size", "bounce_buffer_size"):
+        print("kvikio.defaults", key, kvikio.defaults.get(key))
+    print("kvikio.defaults is_compat_mode_preferred", kvikio.defaults.is_compat_mode_preferred())
     try:
         import kvikio.cufile_driver as drv
         for key in ("is_gds_available", "major_version", "minor_version", "allow_compat_mode"):
@@ -114,7 +131,13 @@ TESTS_RC=$?
 
 # 4. benchmark -------------------------------------------------------------------------------
 mkdir -p "$SCRATCH"
-step bench-engines 240 "$PY" -m kvstore.bench_engines --device cuda --gib "$GIB" \
+DEVICE="$("$PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")' 2>/dev/null)"
+if [ "$DEVICE" != cuda ]; then
+    DEVICE=cpu
+    GIB="${GIB_CPU:-0.0625}"  # a dry run: the CPU stand-ins' logic, not their speed
+    note "no CUDA: the benchmark runs the CPU stand-ins on $GIB GiB"
+fi
+step bench-engines 240 "$PY" -m kvstore.bench_engines --device "$DEVICE" --gib "$GIB" \
     --threads "$THREADS" --root "$SCRATCH/engines" --json "$OUT_DIR/bench_engines.json"
 rm -rf "$SCRATCH/engines"
 if command -v fio >/dev/null 2>&1; then
@@ -127,6 +150,7 @@ if command -v fio >/dev/null 2>&1; then
 else
     note "fio not installed: the raw O_DIRECT baseline of bench_engines is the floor"
 fi
+rmdir "$SCRATCH" 2>/dev/null || true
 
 note "== done: gpu tests rc=$TESTS_RC"
 cat "$SUMMARY"

@@ -88,3 +88,15 @@ def test_registered_for_headers_and_readers() -> None:
 def test_device_equals_host() -> None:  # pragma: no cover - needs CUDA
     rows = torch.randint(0, 256, (33, 18432), dtype=torch.uint8)
     assert wsum64_rows(rows.cuda()) == wsum64_rows(rows)
+
+
+def test_rows_with_an_aligned_address_but_odd_storage_offset() -> None:
+    # Memory whose start is not 4-byte aligned, viewed from byte 1: the address is aligned,
+    # the storage offset is not, and Tensor.view(torch.int32) refuses that offset.
+    raw = np.zeros(256, dtype=np.uint8)
+    base = torch.from_numpy(raw[(3 - raw.ctypes.data) % 4 :])
+    rows = base[1 : 1 + 2 * 64].view(2, 64)
+    assert rows.data_ptr() % 4 == 0 and rows.storage_offset() % 4
+    rows.copy_(torch.arange(128, dtype=torch.uint8).view(2, 64))
+    expected = [reference(bytes(r.tolist())) for r in rows]
+    assert wsum64_rows(rows) == expected

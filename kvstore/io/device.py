@@ -115,13 +115,20 @@ class CudaDeviceOps:  # pragma: no cover - needs CUDA; exercised by the gpu test
         return event
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        # Page-locked and registered with the driver once, here (the pool keeps it). Sliced to
-        # a 4 KiB boundary so O_DIRECT can write it without another copy.
+        # Page-locked and registered with the driver once, here (the pool keeps it), 4 KiB
+        # aligned so O_DIRECT can write it without another copy. torch's pinned allocator
+        # rounds every request up to a power of two and cudaHostAlloc returns page-aligned
+        # memory: ask for exactly ``nbytes`` (the pool's classes are powers of two) and pad
+        # only if this allocator's memory is not aligned (padding would double the size).
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % ALIGN == 0:
+            return raw
         raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
         skip = -raw.data_ptr() % ALIGN
         return raw[skip : skip + nbytes]
 
     def device_empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        # torch's CUDA caching allocator aligns blocks to 512 bytes only: pad and slice.
         raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device=device)
         skip = -raw.data_ptr() % ALIGN
         return raw[skip : skip + nbytes]

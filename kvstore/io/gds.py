@@ -65,6 +65,7 @@ class GdsEngine(HostEngine):
         super().__init__(config, fio, probe)
         self.ops = ops
         self.cufiles = cufiles
+        cufiles.want_threads(self._threads)  # kvikio runs pread/pwrite on its own pool
         self.device = device
         self._local = threading.local()  # per-thread device staging buffer
         self.staging = DeviceStaging(ops)
@@ -153,7 +154,14 @@ class GdsEngine(HostEngine):
         try:
             handle = self._open_same(path, fd)
             try:
-                futures = [(handle.pwrite(t, t.numel(), off), off, t.numel()) for off, t in direct]
+                futures: list[tuple[IOFuture, int, int]] = []
+                try:
+                    for off, t in direct:
+                        futures.append((handle.pwrite(t, t.numel(), off), off, t.numel()))
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        _wait_all(futures, "cuFile write")  # submitted ones finish first
+                    raise
                 _wait_all(futures, "cuFile write")
             finally:
                 handle.close()
@@ -326,7 +334,16 @@ def _split(offset: int, size: int) -> tuple[tuple[int, int], tuple[int, int], tu
 
 
 def _wait_all(futures: Sequence[tuple[IOFuture, int, int]], what: str) -> None:
+    """Wait for every future (kvikio's tasks read the buffers and use the handle until they
+    finish: none may still run when the handle is closed), then raise the first failure."""
+    first: BaseException | None = None
     for future, offset, size in futures:
-        done = future.get()
-        if done != size:
-            raise StoreIOError(f"{what} at {offset}: expected {size} bytes, moved {done}")
+        try:
+            done = future.get()
+        except Exception as exc:  # re-raised below, once the others have finished
+            first = first or exc
+            continue
+        if done != size and first is None:
+            first = StoreIOError(f"{what} at {offset}: expected {size} bytes, moved {done}")
+    if first is not None:
+        raise first

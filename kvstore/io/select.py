@@ -5,10 +5,12 @@
 
 1. **CUDA present** (``torch.cuda.is_available()``): without it only the host engine applies.
 2. **kvikio importable**: without it, the pinned engine.
-3. **cuFile usable on the store's filesystem**: a 4 KiB write and read-back of a probe file in
-   the store root from a device buffer (removed afterwards); kvikio's compatibility mode is
-   read too. ``compat_mode=on`` means kvikio would do POSIX I/O through its own host bounce
-   buffers, no better than the pinned engine, so ``auto`` then picks pinned.
+3. **cuFile usable on the store's filesystem**: a write and read-back of a probe file in the
+   store root from a device buffer (removed afterwards), 4 KiB or kvikio's ``gds_threshold``
+   if larger (16 KiB by default; kvikio moves smaller transfers by POSIX, not cuFile), at most
+   1 MiB; kvikio's compatibility mode is read too. ``compat_mode=on`` means kvikio would do
+   POSIX I/O through its own host bounce buffers, no better than the pinned engine, so
+   ``auto`` then picks pinned.
 4. **O_DIRECT** (:func:`kvstore.io.host.probe_direct_io`, per ``direct_io``): how the host
    and pinned engines write whole files.
 
@@ -43,7 +45,7 @@ from kvstore.io.gds import GdsEngine
 from kvstore.io.host import PROBE_PREFIX, DirectIOProbe, HostEngine, probe_direct_io
 from kvstore.io.pinned import PinnedEngine
 from kvstore.io.staging import HostStaging, Staging
-from kvstore.store.format import ALIGN
+from kvstore.store.format import ALIGN, align_up
 
 log = logging.getLogger("kvstore.select")
 
@@ -63,34 +65,46 @@ def _probe_cuda() -> Found:
 
 
 def _probe_kvikio() -> CuFiles | Found:
-    try:
-        from kvstore.io.cufile import KvikioCuFiles  # noqa: PLC0415 - only with CUDA
+    from kvstore.io.cufile import KvikioCuFiles  # noqa: PLC0415 - only with CUDA
 
+    try:
         return KvikioCuFiles()
     except ImportError as exc:
         return Found(False, f"kvikio not importable ({exc})")
+    except Exception as exc:  # e.g. libkvikio's loader: libcufile not found (a RuntimeError)
+        return Found(False, f"kvikio not usable ({type(exc).__name__}: {exc})")
+
+
+PROBE_MAX = 1 << 20  # the cuFile probe moves at most this much
+
+
+def probe_nbytes(cufiles: CuFiles) -> int:
+    """Bytes the cuFile probe moves: 4 KiB, or kvikio's ``gds_threshold`` (smaller transfers
+    bypass cuFile, so a smaller probe would only test POSIX I/O), at most :data:`PROBE_MAX`."""
+    return min(PROBE_MAX, align_up(max(ALIGN, cufiles.gds_threshold)))
 
 
 def probe_cufile(root: Path, cufiles: CuFiles, ops: DeviceOps, device: torch.device) -> Found:
-    """Write 4 KiB from device memory with cuFile into a probe file in ``root``, read it back,
-    compare; the file is removed whatever happens."""
+    """Write :func:`probe_nbytes` from device memory with cuFile into a probe file in
+    ``root``, read it back, compare; the file is removed whatever happens."""
     path = str(root / f"{PROBE_PREFIX}gds-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    size = probe_nbytes(cufiles)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
         os.close(fd)
-        out = ops.device_empty(ALIGN, device)
-        out.copy_(torch.arange(ALIGN, dtype=torch.int64).remainder(251).to(torch.uint8))
-        back = ops.device_empty(ALIGN, device)
+        out = ops.device_empty(size, device)
+        out.copy_(torch.arange(size, dtype=torch.int64).remainder(251).to(torch.uint8))
+        back = ops.device_empty(size, device)
         back.zero_()
         ops.synchronize(device)
         handle = cufiles.open(path, "r+")
         try:
-            written = handle.pwrite(out, ALIGN, 0).get()
-            read = handle.pread(back, ALIGN, 0).get()
+            written = handle.pwrite(out, size, 0).get()
+            read = handle.pread(back, size, 0).get()
         finally:
             handle.close()
-        if written != ALIGN or read != ALIGN or not torch.equal(out, back):
-            return Found(False, f"cuFile probe in {root} moved {written}/{read} of {ALIGN} bytes")
+        if written != size or read != size or not torch.equal(out, back):
+            return Found(False, f"cuFile probe in {root} moved {written}/{read} of {size} bytes")
         return Found(
             True, f"cuFile probe passed in {root}, kvikio compat mode {cufiles.compat_mode}"
         )

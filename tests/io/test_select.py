@@ -281,3 +281,36 @@ def test_opening_a_store_logs_exactly_one_selection_line(
     lines = [r.getMessage() for r in caplog.records if r.name == "kvstore.select"]
     assert len(lines) == 1
     assert lines[0].startswith("kvstore: pinned engine (io_mode=pinned, CUDA device Fake H200)")
+
+
+def test_a_kvikio_that_fails_to_load_is_an_answer_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvstore.io.cufile as cufile  # noqa: PLC0415
+    from kvstore.io.select import _probe_kvikio  # noqa: PLC0415
+
+    def broken() -> None:
+        # libkvikio's loader raises cuda.pathfinder's DynamicLibNotFoundError, a RuntimeError
+        raise RuntimeError('Failure finding "libcufile.so.0"')
+
+    monkeypatch.setattr(cufile, "KvikioCuFiles", broken)
+    found = _probe_kvikio()
+    assert isinstance(found, Found) and not found.ok
+    assert "libcufile.so.0" in found.detail
+
+    def missing() -> None:
+        raise ImportError("No module named 'kvikio'")
+
+    monkeypatch.setattr(cufile, "KvikioCuFiles", missing)
+    found = _probe_kvikio()
+    assert isinstance(found, Found) and found.detail.startswith("kvikio not importable")
+
+
+def test_cufile_probe_moves_kvikio_gds_threshold(tmp_path: Path) -> None:
+    files = PosixCuFiles(gds_threshold=16384)
+    found = probe_cufile(tmp_path, files, CpuDeviceOps(), torch.device("cpu"))
+    assert found.ok, found.detail
+    assert [(op, off, n) for op, _, off, n in files.calls] == [
+        ("pwrite", 0, 16384),
+        ("pread", 0, 16384),
+    ]
