@@ -99,6 +99,8 @@ def final_path_of(temp: str) -> str:
     """Inverse of :func:`temp_path_for`."""
     directory, name = os.path.split(temp)
     return os.path.join(directory, name[1 : name.rindex(TMP_MARK)])
+
+
 SLOW_PROBE_S = 50e-6  # an existence probe slower than this is a network round trip
 MAX_RANGE_WRITERS = 4096  # completion-marker bytes a pending file may carry past its end
 _ZEROS = memoryview(bytes(fmt.ALIGN))

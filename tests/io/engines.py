@@ -71,6 +71,8 @@ def _kvikio_ready() -> str | None:
         import kvikio  # noqa: F401, PLC0415
     except ImportError:
         return "kvikio not installed"
+    except Exception as exc:  # libkvikio's loader raises RuntimeError without libcufile
+        return f"kvikio not usable ({type(exc).__name__}: {exc})"
     return None
 
 
