@@ -43,6 +43,7 @@ from kvstore.io.device import DeviceOps
 from kvstore.io.engine import AnySegment, Data
 from kvstore.io.fileio import DEFAULT_FILEIO, FileIO, read_fully, write_fully
 from kvstore.io.host import HostEngine, Segment
+from kvstore.io.newfile import plan_new_file
 from kvstore.io.staging import DeviceStaging
 from kvstore.store.format import ALIGN, align_up
 
@@ -118,37 +119,25 @@ class GdsEngine(HostEngine):
     def _write_new(
         self, path: str, segments: Sequence[AnySegment], file_nbytes: int, sync: bool
     ) -> None:
-        padded = align_up(file_nbytes)  # the staging buffer mirrors the whole file
-        direct: list[tuple[int, torch.Tensor]] = []  # (offset, aligned device tensor)
-        staging = self._device_staging(padded)
-        stage_start = stage_end = 0  # staged bytes not yet turned into a cuFile write
-        position = 0
-        for offset, data in segments:
-            if offset != position:
-                raise ValueError(f"exclusive write: segments must tile the file, gap at {position}")
+        plan = plan_new_file(  # aligned device memory direct, the rest staged on the device
+            [(off, _nbytes(d), _aligned_device(d, off)) for off, d in segments], file_nbytes
+        )
+        staging = self._device_staging(align_up(file_nbytes))  # mirrors the whole file
+        for i in plan.staged:
+            offset, data = segments[i]
             size = _nbytes(data)
-            if stage_end == stage_start and _aligned_device(data, offset):
-                assert isinstance(data, torch.Tensor)
+            staging[offset : offset + size].copy_(_as_tensor(data), non_blocking=True)
+        direct: list[tuple[int, torch.Tensor]] = []  # (offset, aligned device tensor)
+        for i, start, end in plan.writes:
+            if i >= 0:
+                offset, data = segments[i]
+                assert isinstance(data, torch.Tensor)  # only device tensors are planned direct
                 direct.append((offset, data))
             else:
-                if stage_end == stage_start:
-                    stage_start = stage_end = offset  # staging mirrors file offsets
-                staging[stage_end : stage_end + size].copy_(_as_tensor(data), non_blocking=True)
-                stage_end += size
-                if stage_end % ALIGN == 0:
-                    direct.append((stage_start, staging[stage_start:stage_end]))
-                    stage_start = stage_end
-            position = offset + size
-        if position != file_nbytes:
-            raise ValueError(f"exclusive write: segments end at {position}, file is {file_nbytes}")
-        # The last partial page (the end of the zarr index) goes through our own descriptor,
-        # buffered, after the aligned part: no padding to truncate away (as the host engine).
-        tail_at = file_nbytes - file_nbytes % ALIGN
-        tail = torch.empty(0, dtype=torch.uint8)
-        if stage_end != stage_start:
-            if tail_at > stage_start:
-                direct.append((stage_start, staging[stage_start:tail_at]))
-            tail = staging[max(stage_start, tail_at) : file_nbytes]
+                direct.append((start, staging[start:end]))
+        tail = (
+            staging[plan.tail[0] : plan.tail[1]] if plan.tail else torch.empty(0, dtype=torch.uint8)
+        )
         self.ops.synchronize(self.device)  # cuFile reads device memory outside stream order
         fd = self.fio.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.config.file_mode)
         try:

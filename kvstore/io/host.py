@@ -48,6 +48,7 @@ from kvstore.io.fileio import (
     read_fully,
     write_fully,
 )
+from kvstore.io.newfile import plan_new_file
 from kvstore.store.format import ALIGN, align_up
 
 log = logging.getLogger("kvstore.io")
@@ -199,38 +200,18 @@ class HostEngine:
     def _write_new_direct(
         self, path: str, segments: Sequence[Segment], file_nbytes: int, sync: bool
     ) -> None:
-        """O_DIRECT write of a whole new file: aligned pieces go straight, the rest is staged."""
-        padded = align_up(file_nbytes)
-        staging = self._staging.get(padded)
-        iovecs: list[memoryview] = []
-        stage_start = stage_end = 0  # staged bytes not yet turned into an iovec
-        position = 0
-        for offset, data in segments:
-            if offset != position:
-                raise ValueError(f"exclusive write: segments must tile the file, gap at {position}")
-            if stage_end == stage_start and offset % ALIGN == 0 and is_aligned(data):
-                iovecs.append(data)
-            else:
-                if stage_end == stage_start:
-                    stage_start = stage_end = offset  # staging mirrors file offsets
-                staging[stage_end : stage_end + len(data)] = np.frombuffer(data, dtype=np.uint8)
-                stage_end += len(data)
-                if stage_end % ALIGN == 0:
-                    iovecs.append(staging[stage_start:stage_end].data)
-                    stage_start = stage_end
-            position = offset + len(data)
-        if position != file_nbytes:
-            raise ValueError(f"exclusive write: segments end at {position}, file is {file_nbytes}")
-        # The last partial page (the end of the zarr index) cannot go through O_DIRECT. It is
-        # written buffered on the same descriptor once the aligned part is down: writing the
-        # page padded and truncating afterwards instead costs a contended metadata update per
-        # block (ftruncate was ~15 % of a 2 MiB block's write time with 4 threads).
-        tail = memoryview(b"")
-        head_end = file_nbytes - file_nbytes % ALIGN
-        if stage_end != stage_start:
-            if head_end > stage_start:
-                iovecs.append(staging[stage_start:head_end].data)
-            tail = staging[max(stage_start, head_end) : file_nbytes].data
+        """O_DIRECT write of a whole new file (:mod:`kvstore.io.newfile` plans it)."""
+        plan = plan_new_file(
+            [(offset, len(data), is_aligned(data)) for offset, data in segments], file_nbytes
+        )
+        staging = self._staging.get(align_up(file_nbytes))
+        for i in plan.staged:
+            offset, data = segments[i]
+            staging[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        iovecs = [
+            segments[i][1] if i >= 0 else staging[start:end].data for i, start, end in plan.writes
+        ]
+        tail = staging[plan.tail[0] : plan.tail[1]].data if plan.tail else memoryview(b"")
         fd = self.fio.open(
             path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, self.config.file_mode
         )

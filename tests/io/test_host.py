@@ -20,6 +20,7 @@ from kvstore.io import host
 from kvstore.io.buffers import aligned_buffer, is_aligned
 from kvstore.io.fileio import O_DIRECT, FileIO, filesystem_type
 from kvstore.io.host import HostEngine, probe_direct_io
+from kvstore.io.newfile import plan_new_file
 from kvstore.store.format import ShardLayout
 from kvstore.store.group_store import TMP_MARK
 from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus
@@ -397,3 +398,24 @@ def test_block_reads_record_last_use(
     out = np.zeros_like(data)
     assert group.read_blocks([BlockRead(h, out)])[0].ok
     assert (path.stat().st_mtime_ns != old_ns) is touched
+
+
+def test_new_file_plan_stages_only_what_is_not_aligned() -> None:
+    """The plan both engines write new files by: aligned segments go direct until something
+    is staged, staging mirrors file offsets, the unaligned end is the buffered tail."""
+    plan = plan_new_file(
+        [(0, 100, False), (100, 3996, False), (4096, 8192, True), (12288, 50, False)], 12338
+    )
+    assert plan.staged == (0, 1, 3)
+    assert plan.writes == ((-1, 0, 4096), (2, -1, -1))
+    assert plan.tail == (12288, 12338)
+    resumed = plan_new_file(
+        [(0, 4096, True), (4096, 10, False), (4106, 4086, False), (8192, 4096, True)], 12288
+    )
+    assert resumed.staged == (1, 2)  # a staged page, then direct writes resume
+    assert resumed.writes == ((0, -1, -1), (-1, 4096, 8192), (3, -1, -1))
+    assert resumed.tail is None
+    with pytest.raises(ValueError, match="gap at 1"):
+        plan_new_file([(0, 1, False), (5, 1, False)], 6)
+    with pytest.raises(ValueError, match="segments end at 3, file is 10"):
+        plan_new_file([(0, 3, False)], 10)
