@@ -30,7 +30,7 @@ Strength (not cryptographic; it detects accidents, not adversaries):
 * an all-zero chunk checksums to a non-zero value that depends on its length.
 
 Speed: on the CPU ``torch.dot`` over int64 words, up to ~8.5 GB/s on a 4 MiB chunk on the
-2-core development VM (``python -m kvstore.bench_engines --checksum``); xxh3 is ~10x faster
+2-core development VM (``python -m kvstore.bench.engines --checksum``); xxh3 is ~10x faster
 there, which is why host engines keep xxh3 (``checksum="auto"``). On a GPU it runs at memory
 bandwidth, far above any storage.
 """

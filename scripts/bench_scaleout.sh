@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The scale-out benchmark (kvstore/bench_scaleout.py) on the GlusterFS test environment:
+# The scale-out benchmark (kvstore/bench/scaleout.py) on the GlusterFS test environment:
 # throughput and lookups through the FUSE mounts vs the local disk under the bricks, then the
 # lookups again with 400 us added to every brick LOOKUP/STAT (a network round trip to another
 # machine, which veth pairs on one machine lack). Writes docs/scaleout.md (or $1).
@@ -17,9 +17,9 @@ mount_note=$("$PY" -c 'from tests.scaleout.gluster import MOUNT_OPTIONS as m; pr
 common=(--node-a "$BASE/mnt/node-a" --node-b "$BASE/mnt/node-b" --local "$BASE/local"
         --brick-dir "$BASE/s1/brick" --brick-dir "$BASE/s2/brick" --mount-note "$mount_note"
         --blocks "$BLOCKS")
-"$PY" -m kvstore.bench_scaleout run "${common[@]}" --json "$work/plain.json"
+"$PY" -m kvstore.bench.scaleout run "${common[@]}" --json "$work/plain.json"
 "$PY" -m tests.scaleout.gluster delay 400 >/dev/null
-"$PY" -m kvstore.bench_scaleout run "${common[@]}" --lookup-only \
+"$PY" -m kvstore.bench.scaleout run "${common[@]}" --lookup-only \
   --label "With 400 us added to every brick LOOKUP/STAT (debug/delay-gen)" --json "$work/delay.json"
-"$PY" -m kvstore.bench_scaleout render "$OUT" "$work/plain.json" "$work/delay.json"
+"$PY" -m kvstore.bench.scaleout render "$OUT" "$work/plain.json" "$work/delay.json"
 echo "wrote $OUT"

@@ -5,7 +5,7 @@
 #   2. installs what the machine lacks from carried wheels in ./.wheels (no network there),
 #      and says what is still missing (the run goes on with the engines it can use);
 #   3. the `gpu`-marked tests (conformance suite on real CUDA/kvikio, wsum64 on the device);
-#   4. the engines benchmark (kvstore.bench_engines): write and cold-read GB/s of the host,
+#   4. the engines benchmark (kvstore.bench.engines): write and cold-read GB/s of the host,
 #      pinned and gds engines vs raw O_DIRECT file I/O and vs torch D2H + os.pwrite, with the
 #      0.8x-of-raw targets; plus fio for reference when fio is installed.
 #
@@ -137,7 +137,7 @@ if [ "$DEVICE" != cuda ]; then
     GIB="${GIB_CPU:-0.0625}"  # a dry run: the CPU stand-ins' logic, not their speed
     note "no CUDA: the benchmark runs the CPU stand-ins on $GIB GiB"
 fi
-step bench-engines 240 "$PY" -m kvstore.bench_engines --device "$DEVICE" --gib "$GIB" \
+step bench-engines 240 "$PY" -m kvstore.bench.engines --device "$DEVICE" --gib "$GIB" \
     --threads "$THREADS" --root "$SCRATCH/engines" --json "$OUT_DIR/bench_engines.json"
 rm -rf "$SCRATCH/engines"
 if command -v fio >/dev/null 2>&1; then

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import torch
 
-from kvstore import bench_engines
+from kvstore.bench import engines
 
 
 def test_engines_bench_runs_every_system_on_cpu(tmp_path: Path) -> None:
-    report = bench_engines.run(
+    report = engines.run(
         root=tmp_path,
         device=torch.device("cpu"),
         gib=0,
         threads=2,
-        engines=bench_engines.ENGINES,
+        engines=engines.ENGINES,
         layers=2,
     )
     results = report["results"]
@@ -25,10 +25,10 @@ def test_engines_bench_runs_every_system_on_cpu(tmp_path: Path) -> None:
         assert results[name]["read_gbs"] > 0, (name, results[name])
     assert results["gds"]["checksum"] == "wsum64"
     assert results["pinned"]["checksum"] == "xxh3_64"
-    text = bench_engines.table(report)
+    text = engines.table(report)
     assert "gds" in text
     assert "checksums (GB/s, 4 MiB chunk)" in text
 
 
 def test_checksum_mode_prints_rates(capsys: object) -> None:
-    assert bench_engines.main(["--checksum", "--device", "cpu"]) == 0
+    assert engines.main(["--checksum", "--device", "cpu"]) == 0

@@ -13,7 +13,7 @@ request's longest cached prefix (plus one request the store has never seen the e
 reads the hits, and compares every byte.
 
 With ``--write-layout`` / ``--read-layout`` each phase runs every rank of a parallel layout
-in its own process (:mod:`kvstore.demo_ranks`): a cache written at one layout, read at another.
+in its own process (:mod:`kvstore.demo.ranks`): a cache written at one layout, read at another.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from kvstore import demo_ranks
 from kvstore.config import StoreConfig
-from kvstore.demo_data import Plan, demo_identity, fill_block, make_plan, request_chain
+from kvstore.demo import ranks
+from kvstore.demo.data import Plan, demo_identity, fill_block, make_plan, request_chain
 from kvstore.io.buffers import aligned_buffer
 from kvstore.store.group_store import GroupStore
 from kvstore.store.page_store import KVStore
@@ -90,11 +90,7 @@ def write_phase(spec: DemoSpec) -> dict[str, Any]:
     identity = demo_identity(spec.model, spec.tokens)
     order, parents = _unique_blocks(plan, spec.tokens, spec.seed)
     totals = {"written": 0, "already_present": 0, "bytes": 0, "seconds": 0.0}
-    pool = (
-        demo_ranks.make_pool(len(demo_ranks.rank_coords(spec.write_layout)))
-        if spec.write_layout
-        else None
-    )
+    pool = ranks.make_pool(len(ranks.rank_coords(spec.write_layout))) if spec.write_layout else None
     try:
         with KVStore(StoreConfig(root=spec.root, io_threads=spec.threads)) as store:
             ns = store.namespace(identity)
@@ -152,17 +148,17 @@ def _write_with_ranks(
     pendings = group.begin_blocks(fresh, [parents[h] for h in fresh])
     tasks = [
         _rank_task(spec, spec.write_layout, coord, group.index)
-        for coord in demo_ranks.rank_coords(spec.write_layout)
+        for coord in ranks.rank_coords(spec.write_layout)
     ]
     exists = [WriteResult(WriteStatus.EXISTS)] * (len(batch) - len(fresh))
     if not pendings:
         return exists, 0.0
-    per_rank = pool.starmap(demo_ranks.write_rank, [(task, pendings) for task in tasks])
+    per_rank = pool.starmap(ranks.write_rank, [(task, pendings) for task in tasks])
     failed = sum(f for f, _ in per_rank)
     if failed:
         group.abort_blocks(pendings)
         return [WriteResult(WriteStatus.FAILED, f"{failed} rank writes failed")], 0.0
-    checksum, range_writers = demo_ranks.commit_plan(tasks[0])
+    checksum, range_writers = ranks.commit_plan(tasks[0])
     t0 = time.perf_counter()
     committed = group.commit_blocks(pendings, [checksum] * len(pendings), range_writers)
     seconds = max(s for _, s in per_rank) + time.perf_counter() - t0
@@ -171,8 +167,8 @@ def _write_with_ranks(
 
 def _rank_task(
     spec: DemoSpec, layout: str, coord: tuple[int, int, int], group: int
-) -> demo_ranks.RankTask:
-    return demo_ranks.RankTask(
+) -> ranks.RankTask:
+    return ranks.RankTask(
         root=str(spec.root),
         model=spec.model,
         tokens=spec.tokens,
@@ -191,11 +187,7 @@ def read_phase(spec: DemoSpec) -> dict[str, Any]:
     totals = {"asked_blocks": 0, "hit_blocks": 0, "read_bytes": 0, "mismatched": 0}
     lookup_s = read_s = 0.0
     per_request = []
-    pool = (
-        demo_ranks.make_pool(len(demo_ranks.rank_coords(spec.read_layout)))
-        if spec.read_layout
-        else None
-    )
+    pool = ranks.make_pool(len(ranks.rank_coords(spec.read_layout))) if spec.read_layout else None
     try:
         with KVStore(StoreConfig(root=spec.root, io_threads=spec.threads), create=False) as store:
             ns = store.namespace(identity, create=False)
@@ -259,9 +251,9 @@ def _read_with_ranks(
     """
     tasks = [
         _rank_task(spec, spec.read_layout, coord, group.index)
-        for coord in demo_ranks.rank_coords(spec.read_layout)
+        for coord in ranks.rank_coords(spec.read_layout)
     ]
-    per_rank = pool.starmap(demo_ranks.read_rank, [(task, list(batch)) for task in tasks])
+    per_rank = pool.starmap(ranks.read_rank, [(task, list(batch)) for task in tasks])
     bad = max(b for _, b, _, _ in per_rank)
     return len(batch) - bad, bad, sum(n for _, _, n, _ in per_rank), max(s for *_, s in per_rank)
 
@@ -272,7 +264,7 @@ def run(spec: DemoSpec, as_json: bool) -> int:
     root, model, tokens = spec.root, spec.model, spec.tokens
     for layout in (spec.write_layout, spec.read_layout):
         if layout:  # refuse an uncertifiable layout before any work, with the reason
-            demo_ranks.certify(model, tokens, layout)
+            ranks.certify(model, tokens, layout)
     wrote = write_phase(spec)
     # A new interpreter, as a restarted server: nothing of the writer's state survives.
     cmd = [sys.executable, "-m", "kvstore.demo", "--read-phase", spec.to_json()]
@@ -332,15 +324,3 @@ def _size(n: int) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024  # type: ignore[assignment]
     return f"{n} B"  # pragma: no cover
-
-
-def _read_phase_main(argv: Sequence[str]) -> int:
-    (spec_json,) = argv
-    print(json.dumps(read_phase(DemoSpec.from_json(spec_json))))
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--read-phase":
-        sys.exit(_read_phase_main(sys.argv[2:]))
-    sys.exit("usage: kvstore demo (this module is the demo's second process)")

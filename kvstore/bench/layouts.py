@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvstore.bench_common import kv_like_block
+from kvstore.bench.common import kv_like_block
 from kvstore.config import StoreConfig
 from kvstore.io.fileio import drop_tree_cache as drop_cache
 from kvstore.layout.page import scatter_blocks

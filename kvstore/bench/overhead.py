@@ -12,9 +12,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvstore.bench_common import RawFloor, make_workload
-from kvstore.bench_lookup import tiny_identity
-from kvstore.bench_throughput import KvstoreSystem
+from kvstore.bench.common import RawFloor, make_workload
+from kvstore.bench.lookup import tiny_identity
+from kvstore.bench.throughput import KvstoreSystem
 
 
 def run(blocks: int) -> dict[str, Any]:

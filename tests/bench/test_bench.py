@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstore import bench
-from kvstore.bench_common import kv_like_block
+from kvstore.bench.common import kv_like_block
 
 TINY = [
     "--block-tokens", "16", "--gib", "0.01", "--repeat", "1", "--threads", "2",

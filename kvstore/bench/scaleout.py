@@ -12,7 +12,7 @@ One run measures, on each target, with one model geometry:
   ``contains`` did before issue 10), and ``longest_prefix`` of a chain half stored;
 * **gc pass**: one ``kvstore gc --dry-run`` pass over the store (scan + stat of every file).
 
-``python -m kvstore.bench_scaleout run --node-a A --node-b B --local L --json out.json``
+``python -m kvstore.bench.scaleout run --node-a A --node-b B --local L --json out.json``
 measures (A and B: two mounts of the same shared directory, on two nodes or two FUSE clients;
 L: a directory on the disk under the shared file system); ``render out.md run1.json
 [run2.json ...]`` writes the markdown section (``docs/scaleout.md``). ``--lookup-only`` skips
@@ -300,7 +300,7 @@ def render(reports: Sequence[dict[str, Any]]) -> str:
     lines = [
         "## Scale-out: a shared FUSE file system vs the local disk under it",
         "",
-        "Produced by `kvstore/bench_scaleout.py`; reproduce with `scripts/bench_scaleout.sh`",
+        "Produced by `kvstore/bench/scaleout.py`; reproduce with `scripts/bench_scaleout.sh`",
         "(starts the GlusterFS test environment of `tests/scaleout/gluster.py`).",
         "",
         f"Measured {m['date_utc']} UTC on a {m['cpus']}-core VM, kernel {m['kernel']}, "
@@ -399,7 +399,7 @@ def _ratio_note(rep: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvstore.bench_scaleout", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvstore.bench.scaleout", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="measure; print or save the JSON report")
     r.add_argument("--node-a", type=Path, required=True, help="shared directory, writer's mount")

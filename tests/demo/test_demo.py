@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main
-from kvstore.demo_data import make_plan
+from kvstore.demo.data import make_plan
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -1,6 +1,6 @@
 """Engines benchmark: write and cold-read GB/s of each I/O engine against raw file I/O.
 
-``python -m kvstore.bench_engines [--device cuda] [--gib 2] [--engines host,pinned,gds]``
+``python -m kvstore.bench.engines [--device cuda] [--gib 2] [--engines host,pinned,gds]``
 
 Blocks start (writes) and end (reads) in memory on ``--device``, as KV pages do. Per engine,
 batches go through the engine's own staging and the store's public API

@@ -5,7 +5,7 @@ For each (model, block tokens) the same KV-like blocks are written, read cold an
 * ``kvstore``: :meth:`GroupStore.write_blocks` / :meth:`read_blocks` - per-chunk checksums,
   header and zarr index, temporary file + rename, fdatasync and directory fsync (durability
   ``full``), every read verified.
-* ``raw``: the raw floor (:class:`~kvstore.bench_common.RawFloor`): plain ``pwrite``/``preadv``,
+* ``raw``: the raw floor (:class:`~kvstore.bench.common.RawFloor`): plain ``pwrite``/``preadv``,
   one file per block, the same threads, write mode and durability as kvstore.
 * ``vllm-fs``: vLLM 0.33's own filesystem tier I/O, ``batch_store_block`` /
   ``batch_load_block`` of ``vllm.v1.kv_offload.tiering.fs.io`` (its C extension where present)
@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kvstore.bench_common import RawFloor, Workload, drop_cache, gbs, make_workload, median
+from kvstore.bench.common import RawFloor, Workload, drop_cache, gbs, make_workload, median
 from kvstore.config import StoreConfig
 from kvstore.identity import Identity
 from kvstore.io.host import probe_direct_io

@@ -2,18 +2,18 @@
 
 Suites (``--suite NAME[,NAME]``; all by default), one module each:
 
-* ``throughput`` (:mod:`kvstore.bench_throughput`): write, cold read and hot read of the same
+* ``throughput`` (:mod:`kvstore.bench.throughput`): write, cold read and hot read of the same
   blocks through kvstore, the raw floor, vLLM 0.33's filesystem tier I/O and per-block
   safetensors files; ratios of kvstore to each.
-* ``lookup`` (:mod:`kvstore.bench_lookup`): longest-prefix lookup on a big store vs one
+* ``lookup`` (:mod:`kvstore.bench.lookup`): longest-prefix lookup on a big store vs one
   existence check per key (and vLLM's C batch lookup).
-* ``layouts`` (:mod:`kvstore.bench_layouts`): blocks written at one parallel layout read at
+* ``layouts`` (:mod:`kvstore.bench.layouts`): blocks written at one parallel layout read at
   another, vs same-layout reads.
-* ``scaling`` (:mod:`kvstore.bench_scaling`): kvstore vs raw floor by threads and block size;
+* ``scaling`` (:mod:`kvstore.bench.scaling`): kvstore vs raw floor by threads and block size;
   write and lookup cost as the store grows.
-* ``compression`` (:mod:`kvstore.bench_compression`): codec ratio and speed on KV-like values,
+* ``compression`` (:mod:`kvstore.bench.compression`): codec ratio and speed on KV-like values,
   and the store with each compression setting.
-* ``overhead`` (:mod:`kvstore.bench_overhead`): Python time per block over the raw floor.
+* ``overhead`` (:mod:`kvstore.bench.overhead`): Python time per block over the raw floor.
 
 The default run takes about two minutes on a 2-core VM (small data); ``--full`` runs the
 figures of docs/performance.md (>= 4 GiB per throughput configuration, two models, a store of
@@ -35,15 +35,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore import (
-    bench_compression,
-    bench_layouts,
-    bench_lookup,
-    bench_overhead,
-    bench_scaling,
-    bench_throughput,
+from kvstore.bench import (
+    compression,
+    layouts,
+    lookup,
+    overhead,
+    scaling,
+    throughput,
 )
-from kvstore.bench_common import DATA_NOTE
+from kvstore.bench.common import DATA_NOTE
 
 SUITES = ("throughput", "lookup", "layouts", "scaling", "compression", "overhead")
 # The default run: the store against the raw floor, lookup and per-block overhead, in about a
@@ -110,7 +110,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--durability", choices=["full", "none"], default="full")
     parser.add_argument("--repeat", type=int, default=None)
     parser.add_argument(
-        "--systems", default=",".join(bench_throughput.SYSTEMS), help="throughput systems"
+        "--systems", default=",".join(throughput.SYSTEMS), help="throughput systems"
     )
     parser.add_argument("--store-blocks", type=int, default=None, help="lookup store size")
     parser.add_argument("--store-sizes", default=None, help="scaling store-size checkpoints")
@@ -119,7 +119,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--scaling-gib", type=float, default=None)
     parser.add_argument(
         "--layouts",
-        default=",".join(bench_layouts.DEFAULT_PAIRS),
+        default=",".join(layouts.DEFAULT_PAIRS),
         help="cross-layout pairs WRITE:READ, comma-separated (layouts with commas: use ';')",
     )
     parser.add_argument("--layout-gib", type=float, default=None)
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"== {name} ({report['suites'][name]['seconds']} s)", flush=True)
                 print(TABLES[name](report["suites"][name]), flush=True)
     finally:
-        bench_lookup.close_all()
+        lookup.close_all()
         if args.root is None:
             shutil.rmtree(base, ignore_errors=True)
     report["seconds"] = round(time.perf_counter() - started, 1)
@@ -212,7 +212,7 @@ def _write_outputs(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
 
 def _run_throughput(args: argparse.Namespace, base: Path) -> dict[str, Any]:
-    return bench_throughput.run(
+    return throughput.run(
         base / "throughput",
         _names(args.models),
         _ints(args.block_tokens),
@@ -226,12 +226,12 @@ def _run_throughput(args: argparse.Namespace, base: Path) -> dict[str, Any]:
 
 def _run_lookup(args: argparse.Namespace, base: Path) -> dict[str, Any]:
     sizes = _ints(args.store_sizes) if "scaling" in args.suites else []
-    bench_lookup.chain_store(base, max([args.store_blocks, *sizes]), sizes)  # built once
-    return bench_lookup.run(base, max([args.store_blocks, *sizes]))
+    lookup.chain_store(base, max([args.store_blocks, *sizes]), sizes)  # built once
+    return lookup.run(base, max([args.store_blocks, *sizes]))
 
 
 def _run_layouts(args: argparse.Namespace, base: Path) -> dict[str, Any]:
-    rows = bench_layouts.cross_layout(
+    rows = layouts.cross_layout(
         base / "layouts",
         _names(args.models)[0],
         16,
@@ -244,7 +244,7 @@ def _run_layouts(args: argparse.Namespace, base: Path) -> dict[str, Any]:
 
 
 def _run_scaling(args: argparse.Namespace, base: Path) -> dict[str, Any]:
-    return bench_scaling.run(
+    return scaling.run(
         base,
         _names(args.models)[0],
         _ints(args.scaling_threads),
@@ -258,7 +258,7 @@ def _run_scaling(args: argparse.Namespace, base: Path) -> dict[str, Any]:
 
 
 def _run_compression(args: argparse.Namespace, base: Path) -> dict[str, Any]:
-    return bench_compression.run(
+    return compression.run(
         base / "compression",
         _names(args.models)[0],
         _ints(args.block_tokens),
@@ -270,7 +270,7 @@ def _run_compression(args: argparse.Namespace, base: Path) -> dict[str, Any]:
 
 
 def _run_overhead(args: argparse.Namespace, base: Path) -> dict[str, Any]:
-    return bench_overhead.run(args.overhead_blocks)
+    return overhead.run(args.overhead_blocks)
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
@@ -282,19 +282,19 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "overhead": _run_overhead,
 }
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
-    "throughput": bench_throughput.table,
-    "lookup": bench_lookup.table,
-    "layouts": lambda r: bench_layouts.table(r["rows"]),
-    "scaling": bench_scaling.table,
-    "compression": bench_compression.table,
-    "overhead": bench_overhead.table,
+    "throughput": throughput.table,
+    "lookup": lookup.table,
+    "layouts": lambda r: layouts.table(r["rows"]),
+    "scaling": scaling.table,
+    "compression": compression.table,
+    "overhead": overhead.table,
 }
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
-    "throughput": bench_throughput.plot,
-    "lookup": bench_lookup.plot,
-    "layouts": lambda r, d: bench_layouts.plot(r["rows"], d),
-    "scaling": bench_scaling.plot,
-    "compression": bench_compression.plot,
+    "throughput": throughput.plot,
+    "lookup": lookup.plot,
+    "layouts": lambda r, d: layouts.plot(r["rows"], d),
+    "scaling": scaling.plot,
+    "compression": compression.plot,
 }
 
 
@@ -342,7 +342,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, str]]:
         )
 
     configs = suites.get("throughput", {}).get("configs", [])
-    for mine in bench_throughput.MINE:
+    for mine in throughput.MINE:
         for other, label, target in (
             ("raw", "raw floor", ">= 0.9"),
             ("vllm-fs", "vLLM fs tier", ">= 1.0"),
@@ -444,12 +444,12 @@ def markdown_report(report: dict[str, Any], plots: Sequence[Path], page_dir: Pat
             continue
         result = suites[key]
         body = {
-            "throughput": bench_throughput.markdown,
-            "lookup": bench_lookup.markdown,
-            "layouts": lambda r: bench_layouts.markdown(r["rows"]),
-            "scaling": bench_scaling.markdown,
-            "compression": bench_compression.markdown,
-            "overhead": bench_overhead.markdown,
+            "throughput": throughput.markdown,
+            "lookup": lookup.markdown,
+            "layouts": lambda r: layouts.markdown(r["rows"]),
+            "scaling": scaling.markdown,
+            "compression": compression.markdown,
+            "overhead": overhead.markdown,
         }[key](result)
         lines += ["", f"## {title}", "", *body]
         for png in PLOT_FILES.get(key, []):

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore import bench_lookup, bench_throughput
+from kvstore.bench import lookup, throughput
 
 
 def run(
@@ -31,20 +31,20 @@ def run(
 ) -> dict[str, Any]:
     systems = ["kvstore", "raw"]
     by_threads = [
-        bench_throughput.run_config(
+        throughput.run_config(
             base / f"scaling-threads-{t}", model, 16, gib, t, durability, repeat, systems
         )
         for t in threads
     ]
     by_block = [
-        bench_throughput.run_config(
+        throughput.run_config(
             base / f"scaling-tokens-{t}", model, t, gib, fixed_threads, durability, repeat, systems
         )
         for t in block_tokens
     ]
     sizes: list[dict[str, Any]] = []
     if store_sizes:
-        built = bench_lookup.chain_store(base, max(store_sizes), store_sizes)
+        built = lookup.chain_store(base, max(store_sizes), store_sizes)
         sizes = [c for c in built.checkpoints if c["store_blocks"] in store_sizes]
     return {
         "model": model,
@@ -62,8 +62,8 @@ def _row(cfg: dict[str, Any], key: str) -> dict[str, Any]:
         key: cfg[key],
         "block_bytes": cfg["block_bytes"],
         "total_bytes": cfg["total_bytes"],
-        "kvstore": {p: k[f"{p}_gbs"] for p in bench_throughput.PHASES},
-        "raw": {p: r[f"{p}_gbs"] for p in bench_throughput.PHASES},
+        "kvstore": {p: k[f"{p}_gbs"] for p in throughput.PHASES},
+        "raw": {p: r[f"{p}_gbs"] for p in throughput.PHASES},
         "ratio": cfg["kvstore_ratio_to"]["raw"],
     }
 

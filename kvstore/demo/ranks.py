@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvstore.config import StoreConfig
-from kvstore.demo_data import demo_identity, fill_block
+from kvstore.demo.data import demo_identity, fill_block
 from kvstore.layout.page import gather_blocks, scatter_blocks
 from kvstore.layout.parallel import (
     LocalForm,

@@ -1,7 +1,7 @@
 """Compression suite: ratio and speed of inner-chunk codecs on KV-like values, and the store.
 
 * **codecs**: every inner chunk (one head of one layer) of KV-like blocks
-  (:data:`~kvstore.bench_common.DATA_NOTE`) compressed on its own, as the store does, one
+  (:data:`~kvstore.bench.common.DATA_NOTE`) compressed on its own, as the store does, one
   thread: ratio (raw / stored bytes), compression and decompression GB/s of raw bytes. The
   store's settings (blosc + bit shuffle) are measured next to byte shuffle, no shuffle and plain
   zstd, and uniform random bytes are shown as the incompressible reference.
@@ -26,8 +26,8 @@ import numcodecs
 import numpy as np
 from numcodecs import blosc
 
-from kvstore import bench_throughput
-from kvstore.bench_common import DATA_NOTE, kv_like_block, median
+from kvstore.bench import throughput
+from kvstore.bench.common import DATA_NOTE, kv_like_block, median
 from kvstore.models import load_model
 from kvstore.store.format import ShardLayout
 
@@ -144,7 +144,7 @@ def run(
         row["pays_below_read_gbs"] = round(row["decompress_gbs"] * min(cores, threads) * saved, 2)
     store = []
     for setting in STORE_SETTINGS:
-        cfg = bench_throughput.run_config(
+        cfg = throughput.run_config(
             base / f"store-{setting}",
             model,
             block_tokens[0],
@@ -161,7 +161,7 @@ def run(
                 "compression": setting,
                 "block_tokens": block_tokens[0],
                 "total_bytes": cfg["total_bytes"],
-                **{p: k[f"{p}_gbs"] for p in bench_throughput.PHASES},
+                **{p: k[f"{p}_gbs"] for p in throughput.PHASES},
                 "stored_bytes": _stored_bytes(base, model, block_tokens[0], setting),
             }
         )
