@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from kvstore.store.format import ALIGN, align_up
+from kvstore.io.align import ALIGN, align_up
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from kvstore.errors import StoreIOError
-from kvstore.store.format import ALIGN
+from kvstore.io.align import ALIGN
 
 
 class IOFuture(Protocol):

@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
+from kvstore.io.align import ALIGN
 from kvstore.io.buffers import aligned_buffer
-from kvstore.store.format import ALIGN
 
 
 class Event(Protocol):

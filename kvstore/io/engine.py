@@ -52,7 +52,7 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.io.fileio import FileIO
-from kvstore.io.host import DirectIOProbe, Segment
+from kvstore.io.types import DirectIOProbe, Segment
 
 T = TypeVar("T")
 R = TypeVar("R")

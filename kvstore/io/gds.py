@@ -38,14 +38,15 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.errors import BlockMissingError, CorruptBlockError, StoreIOError
+from kvstore.io.align import ALIGN, align_up
 from kvstore.io.cufile import CuFileHandle, CuFiles, IOFuture
 from kvstore.io.device import DeviceOps
 from kvstore.io.engine import AnySegment, Data
 from kvstore.io.fileio import DEFAULT_FILEIO, FileIO, read_fully, write_fully
-from kvstore.io.host import HostEngine, Segment
+from kvstore.io.host import HostEngine
 from kvstore.io.newfile import plan_new_file
 from kvstore.io.staging import DeviceStaging
-from kvstore.store.format import ALIGN, align_up
+from kvstore.io.types import Segment
 
 
 class GdsEngine(HostEngine):

@@ -31,7 +31,6 @@ import os
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -39,6 +38,7 @@ import numpy as np
 
 from kvstore.config import StoreConfig
 from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError
+from kvstore.io.align import ALIGN, align_up
 from kvstore.io.buffers import ThreadStaging, aligned_buffer, is_aligned
 from kvstore.io.fileio import (
     DEFAULT_FILEIO,
@@ -49,22 +49,13 @@ from kvstore.io.fileio import (
     write_fully,
 )
 from kvstore.io.newfile import plan_new_file
-from kvstore.store.format import ALIGN, align_up
+from kvstore.io.types import DirectIOProbe, Segment
 
 log = logging.getLogger("kvstore.io")
 
 T = TypeVar("T")
 R = TypeVar("R")
-Segment = tuple[int, memoryview]  # (file offset, bytes)
 PROBE_PREFIX = ".kvstore-probe-"  # the O_DIRECT probe file in a store root (crashes leave it)
-
-
-@dataclass(frozen=True)
-class DirectIOProbe:
-    """Outcome of the O_DIRECT probe of a store directory."""
-
-    enabled: bool
-    reason: str
 
 
 def probe_direct_io(directory: Path, mode: str, fio: FileIO = DEFAULT_FILEIO) -> DirectIOProbe:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.store.format import ALIGN
+from kvstore.io.align import ALIGN
 
 
 @dataclass(frozen=True)

@@ -37,15 +37,16 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
+from kvstore.io.align import ALIGN, align_up
 from kvstore.io.cufile import CuFiles
 from kvstore.io.device import CudaDeviceOps, DeviceOps
 from kvstore.io.engine import Engine
 from kvstore.io.fileio import DEFAULT_FILEIO, FileIO
 from kvstore.io.gds import GdsEngine
-from kvstore.io.host import PROBE_PREFIX, DirectIOProbe, HostEngine, probe_direct_io
+from kvstore.io.host import PROBE_PREFIX, HostEngine, probe_direct_io
 from kvstore.io.pinned import PinnedEngine
 from kvstore.io.staging import HostStaging, Staging
-from kvstore.store.format import ALIGN, align_up
+from kvstore.io.types import DirectIOProbe
 
 log = logging.getLogger("kvstore.select")
 

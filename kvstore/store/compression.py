@@ -76,7 +76,7 @@ from kvstore.store.format import ShardLayout
 from kvstore.store.types import PendingBlock
 
 if TYPE_CHECKING:
-    from kvstore.io.host import Segment
+    from kvstore.io.types import Segment
     from kvstore.store.group_store import GroupStore
 
 # blosc1 frame header: version, versionlz, flags, typesize, nbytes, blocksize, cbytes.

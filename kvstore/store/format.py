@@ -52,9 +52,16 @@ from kvstore.checksum import crc32c
 from kvstore.errors import CorruptBlockError
 from kvstore.identity import GroupSpec
 
+# The format adopts the I/O engines' 4 KiB alignment (what O_DIRECT and cuFile need): header,
+# chunk offsets and strides are multiples of it, so a block file goes to disk without a bounce
+# buffer. Re-exported: ALIGN is the format's alignment too.
+from kvstore.io.align import ALIGN as ALIGN  # noqa: PLC0414 - explicit re-export (mypy strict)
+from kvstore.io.align import align_up
+
 MAGIC = b"KVSHARD\0"
 FORMAT_VERSION = 1
-ALIGN = 4096
+# Format v1 fixes its alignment: another value would move every offset of every block file.
+assert ALIGN == 4096
 HEADER_FIXED_NBYTES = 176
 _FIXED = struct.Struct("<8sHHI32sIBBBB32s32sIIQQQQQ")
 _CRC = struct.Struct("<II")
@@ -64,11 +71,6 @@ MAX_HASH = 32
 # Header flag: the inner chunks are compressed with the array's codec and packed back to back
 # (see kvstore/store/compression.py); chunk_stride is then 0 and file_nbytes the actual size.
 FLAG_COMPRESSED = 1
-
-
-def align_up(n: int, alignment: int = ALIGN) -> int:
-    """``n`` rounded up to a multiple of ``alignment``."""
-    return -(-n // alignment) * alignment
 
 
 @dataclass(frozen=True)

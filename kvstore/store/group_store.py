@@ -56,8 +56,8 @@ from kvstore.identity import GroupSpec
 from kvstore.io.buffers import ThreadStaging, is_aligned
 from kvstore.io.engine import AnySegment, Data, Engine, device_engine
 from kvstore.io.fileio import sync_parents
-from kvstore.io.host import Segment
 from kvstore.io.staging import HostStaging, Staging
+from kvstore.io.types import Segment
 from kvstore.keys import check_hash, chunk_key
 from kvstore.store import format as fmt
 from kvstore.store.compression import Codec, CompressedShards

@@ -15,10 +15,11 @@ from kvstore.io.cufile import CuFileHandle, PosixCuFiles
 from kvstore.io.device import CpuDeviceOps, DeviceOps
 from kvstore.io.fileio import FileIO
 from kvstore.io.gds import GdsEngine
-from kvstore.io.host import DirectIOProbe, HostEngine
+from kvstore.io.host import HostEngine
 from kvstore.io.pinned import PinnedEngine
 from kvstore.io.select import Found, Probes, Selection, probe_cufile, select_engine
 from kvstore.io.staging import DeviceStaging, HostStaging, PinnedStaging
+from kvstore.io.types import DirectIOProbe
 from kvstore.store.page_store import KVStore
 
 NO_CUDA = Found(False, "no CUDA (torch.cuda.is_available() is False)")
