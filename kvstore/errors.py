@@ -50,5 +50,12 @@ class StoreIOError(KvstoreError, OSError):
     """An operating-system I/O call failed; carries the errno of the failing call."""
 
 
+class EntryKindError(StoreIOError):
+    """A store path holds another kind of entry than kvstore put there: a FIFO, socket,
+    device, directory or symbolic link where a regular file belongs, or anything but a real
+    directory where a directory belongs. kvstore never opens such an entry in a way that could
+    block, nor follows it (:mod:`kvstore.io.fileio`); readers treat it as a miss."""
+
+
 class LayoutError(KvstoreError, ValueError):
     """A parallel layout or tensor form cannot be mapped to canonical pages (fail closed)."""
