@@ -1,7 +1,9 @@
 """I/O engines moving block bytes between memory and files.
 
-``engine`` (the contract), ``host``, ``pinned`` and ``gds`` (the engines), ``select`` (the
-one-time choice by ``io_mode``), ``staging`` (where batches of rows sit), ``device`` and
-``cufile`` (CUDA and kvikio behind replaceable objects), ``buffers`` and ``fileio`` (aligned
-host memory, every file-system call). See docs/engines.md.
+``engine`` (the contract) and ``types`` (its segment and probe types), ``host``, ``pinned``
+and ``gds`` (the engines), ``newfile`` (how a new file is cut into direct and buffered writes),
+``select`` (the one-time choice by ``io_mode``), ``staging`` (where batches of rows sit),
+``device`` and ``cufile`` (CUDA and kvikio behind replaceable objects), ``align`` (the 4 KiB
+the engines need and the on-disk format adopts), ``buffers`` and ``fileio`` (aligned host
+memory, every file-system call). See docs/engines.md.
 """

@@ -37,23 +37,52 @@ def test_block_by_full_hash_and_prefixes(reference: Reference) -> None:
     ):
         ref = find_block(group, text)
         assert ref.block_hash == h and ref.file.path == group.path_of(h)
-    assert find_block(group, h.hex()[:1]).block_hash is not None or True  # may be ambiguous
     with pytest.raises(InspectError, match="found none"):
         find_block(group, "f" * 64 if not h.hex().startswith("ff") else "0" * 64)
+
+
+def _shortest_unique_prefix(block_hash: bytes, hashes: list[bytes]) -> str:
+    """The shortest hex prefix of ``block_hash`` that no other hash in ``hashes`` starts with."""
+    text = block_hash.hex()
+    others = [h.hex() for h in hashes if h != block_hash]
+    return next(
+        text[:n] for n in range(1, len(text) + 1) if not any(o.startswith(text[:n]) for o in others)
+    )
+
+
+def test_shortest_unique_prefix_names_the_block_one_digit_less_is_ambiguous(
+    reference: Reference,
+) -> None:
+    space = reference.bf16
+    group = find_namespace(StoreView.open(reference.root), space.ns).group(0)
+    hashes = list(space.tensors)
+    ambiguous_checked = 0
+    for h in hashes:
+        prefix = _shortest_unique_prefix(h, hashes)
+        ref = find_block(group, prefix)
+        assert ref.block_hash == h and ref.file.path == group.path_of(h), prefix
+        if len(prefix) > 1:  # a shorter prefix is shared with another block
+            with pytest.raises(InspectError, match="ambiguous"):
+                find_block(group, prefix[:-1])
+            ambiguous_checked += 1
+    # 12 hashes over 16 first digits share some: the ambiguous branch ran (the data is fixed).
+    assert ambiguous_checked > 0
 
 
 def test_single_digit_prefix_is_ambiguous_or_unique(reference: Reference) -> None:
     space = reference.bf16
     group = find_namespace(StoreView.open(reference.root), space.ns).group(0)
-    by_digit: dict[str, int] = {}
+    by_digit: dict[str, list[bytes]] = {}
     for h in space.tensors:
-        by_digit[h.hex()[0]] = by_digit.get(h.hex()[0], 0) + 1
-    for digit, count in by_digit.items():
-        if count == 1:
-            assert find_block(group, digit).block_hash is not None
+        by_digit.setdefault(h.hex()[0], []).append(h)
+    for digit, hashes in by_digit.items():
+        if len(hashes) == 1:
+            assert find_block(group, digit).block_hash == hashes[0]
         else:
             with pytest.raises(InspectError, match="ambiguous"):
                 find_block(group, digit)
+    # Both outcomes are exercised by the fixed reference hashes.
+    assert {len(hashes) == 1 for hashes in by_digit.values()} == {True, False}
 
 
 @pytest.mark.parametrize(

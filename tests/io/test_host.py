@@ -21,6 +21,7 @@ from kvstore.io.buffers import aligned_buffer, is_aligned
 from kvstore.io.fileio import O_DIRECT, FileIO, filesystem_type
 from kvstore.io.host import HostEngine, probe_direct_io
 from kvstore.io.newfile import plan_new_file
+from kvstore.io.types import DirectIOProbe
 from kvstore.store.format import ShardLayout
 from kvstore.store.group_store import TMP_MARK
 from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus
@@ -101,7 +102,7 @@ def test_fuse_file_systems_write_buffered_by_default(
     monkeypatch.setattr(host, "filesystem_type", lambda _path: "fuse.glusterfs")
     fio = NoDirectIO()
     auto = probe_direct_io(tmp_path, "auto", fio)
-    assert auto == host.DirectIOProbe(
+    assert auto == DirectIOProbe(
         False, "fuse.glusterfs file system: O_DIRECT is left to its servers"
     )
     assert fio.opens == []  # no probe file
