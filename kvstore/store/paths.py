@@ -1,0 +1,218 @@
+"""Every on-disk name of format v1: the one place the store, admin and inspect take them from.
+
+::
+
+    <root>/zarr.json                               the store (a zarr v3 group)
+    <root>/.zarr.json.tmp-*                        a metadata document being replaced
+    <root>/.trash-<ns>-<ns time>                   a namespace removed by ``kvstore rm``
+    <root>/<ns>/zarr.json                          a namespace (its identity)
+    <root>/<ns>/quarantine/g<k>-<hi>-<lo>-<time>   a corrupt block moved aside by a reader
+    <root>/<ns>/trash/g<k>-<hi>-<lo>-<time>        a block evicted by ``kvstore gc``
+    <root>/<ns>/g<k>/zarr.json                     array ``g<k>`` (KV-cache group k)
+    <root>/<ns>/g<k>/c/0/.../0/<hi>/<lo>           the shard file of one block
+    <root>/<ns>/g<k>/c/0/.../0/<hi>/.<lo>.tmp-<t>  a block being written (token ``t``)
+
+The ``0`` levels are the array's dimensions before the two hash dimensions
+(:func:`kvstore.store.metadata.leading_dims`: 5 for attention groups, 3 for MLA); ``hi`` and
+``lo`` are the block hash's chunk coordinates (:func:`kvstore.keys.hash_coords`): one fan-out
+directory per value of ``hi`` (:data:`FANOUT`), one file per block in it.
+
+This module only computes and parses names, and lists fan-out directories (:func:`list_blocks`
+and :func:`list_temps`: read-only, never following a link). The block path of the hot path is
+a string concatenation (:meth:`ArrayPaths.block`): pathlib objects cost microseconds per block.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.keys import HASH_HI_FANOUT, HASH_LO_BITS, hash_coords
+
+ZARR_JSON = "zarr.json"
+DOC_TMP_PREFIX = f".{ZARR_JSON}.tmp-"  # a metadata document being written (a crash may leave one)
+TMP_MARK = ".tmp-"  # in the name of every temporary file
+QUARANTINE = "quarantine"  # <ns>/quarantine/: corrupt blocks moved aside by readers
+TRASH = "trash"  # <ns>/trash/: evicted blocks waiting out the grace period
+REMOVED_PREFIX = ".trash-"  # <root>/.trash-<ns>-<time_ns>: a namespace being removed
+FANOUT = range(HASH_HI_FANOUT)  # the values of hash_hi: one fan-out directory each
+#: hex digits of the block hash that a shard file's path determines (70 bits -> 17 digits).
+PATH_HEX_DIGITS = 17
+
+_DECIMAL = re.compile(r"(0|[1-9][0-9]*)")
+_GROUP_DIR = re.compile(r"g(0|[1-9][0-9]*)")
+_TRAILING_NS = re.compile(r"-([0-9]+)$")
+
+
+def array_dir(namespace_path: Path, index: int) -> Path:
+    """The directory of array ``g<index>`` of a namespace."""
+    return namespace_path / f"g{index}"
+
+
+def parse_group_dir(name: str) -> int | None:
+    """The index ``k`` of an array directory name ``g<k>``, None if ``name`` is not one."""
+    m = _GROUP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_lo(name: str) -> int | None:
+    """``hash_lo`` of a published block's file name, None if the name is not one."""
+    if not _DECIMAL.fullmatch(name):
+        return None
+    value = int(name)
+    return value if value < (1 << HASH_LO_BITS) else None
+
+
+def temp_path_for(final: str, token: str) -> str:
+    """The temporary file that becomes ``final``: ``<dir>/.<name>.tmp-<token>``.
+
+    The dot-name shape is rsync's, which distributed file systems place like the final name:
+    GlusterFS's default ``rsync-hash-regex`` (``^\\.(.+)\\.[^.]+$``) hashes it as ``<name>``, so
+    temporary and final name live on the same brick and publishing with ``link(2)`` is one
+    atomic link there. With any other shape, half the temporary files land on another brick
+    and DHT's two-step cross-brick link lets two nodes both publish one block (measured:
+    docs/shared-filesystems.md). Tokens never contain a dot.
+    """
+    directory, name = os.path.split(final)
+    # Strings, not pathlib: this runs once per block written.
+    return os.path.join(directory, f".{name}{TMP_MARK}{token}")  # noqa: PTH118
+
+
+def final_path_of(temp: str) -> str:
+    """Inverse of :func:`temp_path_for`."""
+    directory, name = os.path.split(temp)
+    return os.path.join(directory, name[1 : name.rindex(TMP_MARK)])  # noqa: PTH118
+
+
+def parse_temp_lo(name: str) -> int | None:
+    """``hash_lo`` of a block's temporary file name, None if the name is not one.
+
+    ``.<lo>.tmp-<token>`` (:func:`temp_path_for`); ``<lo>.tmp-<token>``, the shape of versions
+    before the dot-name, is recognised too (such files are still swept).
+    """
+    base, mark, _token = name.removeprefix(".").partition(TMP_MARK)
+    return parse_lo(base) if mark else None
+
+
+def held_block_name(group: int, hash_hi: int, hash_lo: int, now_ns: int) -> str:
+    """Name of a block file moved into quarantine or trash: ``g<k>-<hi>-<lo>-<time ns>``."""
+    return f"g{group}-{hash_hi}-{hash_lo}-{now_ns}"
+
+
+def removed_namespace_name(namespace: str, now_ns: int) -> str:
+    """Name of a namespace directory removed by ``kvstore rm``: ``.trash-<ns>-<time ns>``."""
+    return f"{REMOVED_PREFIX}{namespace}-{now_ns}"
+
+
+def held_since_ns(name: str) -> int | None:
+    """When a quarantined / trashed / removed entry was put there: its name's trailing time."""
+    m = _TRAILING_NS.search(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class BlockFile:
+    """One published shard file found in a fan-out directory."""
+
+    path: Path
+    hash_hi: int  # first byte of the block hash (fan-out directory)
+    hash_lo: int  # next 62 bits (file name)
+    nbytes: int  # size on disk
+    mtime_ns: int  # last use (see kvstore.admin.gc)
+
+    @property
+    def path_hex(self) -> str:
+        """The first :data:`PATH_HEX_DIGITS` hex digits of the hash, as the path encodes them."""
+        bits = (self.hash_hi << HASH_LO_BITS) | self.hash_lo  # 70 bits
+        return f"{bits >> 2:0{PATH_HEX_DIGITS}x}"
+
+
+@dataclass(frozen=True)
+class ArrayPaths:
+    """Where the files of one group array live."""
+
+    array: Path  # <root>/<ns>/g<k>
+    leading_dims: int  # array dimensions before the two hash dimensions
+    # <array>/c/0/.../0/: the directory holding the fan-out directories, as a string prefix.
+    prefix: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefix", str(self.fanout_root) + os.sep)
+
+    @property
+    def fanout_root(self) -> Path:
+        """The directory holding the fan-out directories."""
+        return self.array.joinpath("c", *(["0"] * self.leading_dims))
+
+    def chain(self) -> list[Path]:
+        """The directories from the array to the fan-out root: ``c``, ``c/0``, ..."""
+        level = self.array / "c"
+        out = [level]
+        for _ in range(self.leading_dims):
+            level = level / "0"
+            out.append(level)
+        return out
+
+    def fanout_dir(self, hash_hi: int) -> Path:
+        """Directory holding the shard files whose hash starts with byte ``hash_hi``."""
+        return self.fanout_root / str(hash_hi)
+
+    def block(self, block_hash: bytes) -> str:
+        """Absolute path of the published shard file of a (checked) block hash."""
+        hi, lo = hash_coords(block_hash)
+        return f"{self.prefix}{hi}{os.sep}{lo}"
+
+    def block_at(self, hash_hi: int, hash_lo: int) -> str:
+        """Absolute path of the shard file at chunk coordinates ``(hash_hi, hash_lo)``."""
+        return f"{self.prefix}{hash_hi}{os.sep}{hash_lo}"
+
+    def list_blocks(self, fanouts: Iterable[int] = FANOUT) -> Iterator[BlockFile]:
+        """Published shard files of the fan-out directories ``fanouts``, in their order
+        (within one directory: listing order). See :func:`list_blocks`."""
+        for hi in fanouts:
+            yield from list_blocks(self.fanout_dir(hi), hi)
+
+    def list_temps(self, fanouts: Iterable[int] = FANOUT) -> Iterator[Path]:
+        """Temporary block files of the fan-out directories ``fanouts``."""
+        for hi in fanouts:
+            yield from list_temps(self.fanout_dir(hi))
+
+
+def list_blocks(directory: Path, hash_hi: int) -> Iterator[BlockFile]:
+    """The published shard files in fan-out directory ``directory`` (of ``hash_hi``).
+
+    Only regular files whose name is a block name (:func:`parse_lo`) count: temporary files,
+    links, directories and anything else are not blocks (``kvstore verify`` reports them).
+    Entries that vanish while listed (eviction, quarantine) are skipped, and so is a directory
+    that is missing, not a directory, or unreadable. Links are never followed.
+    """
+    for entry, st in _listing(directory):
+        lo = parse_lo(entry.name)
+        if lo is not None and stat.S_ISREG(st.st_mode):
+            yield BlockFile(Path(entry.path), hash_hi, lo, st.st_size, st.st_mtime_ns)
+
+
+def list_temps(directory: Path) -> Iterator[Path]:
+    """The temporary block files (:func:`parse_temp_lo`) in fan-out directory ``directory``."""
+    for entry, st in _listing(directory):
+        if parse_temp_lo(entry.name) is not None and stat.S_ISREG(st.st_mode):
+            yield Path(entry.path)
+
+
+def _listing(directory: Path) -> list[tuple[os.DirEntry[str], os.stat_result]]:
+    try:
+        with os.scandir(directory) as it:
+            entries = list(it)
+    except OSError:  # missing, not a directory, unreadable: nothing listed there
+        return []
+    out = []
+    for entry in entries:
+        try:
+            out.append((entry, entry.stat(follow_symlinks=False)))
+        except OSError:
+            continue  # removed while we listed
+    return out

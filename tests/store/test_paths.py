@@ -1,0 +1,62 @@
+"""Format v1 names (kvstore/store/paths.py): parse what is written, list only real blocks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvstore.keys import HASH_LO_BITS, hash_coords
+from kvstore.store import paths
+from kvstore.store.paths import ArrayPaths
+from tests.helpers import block_hash
+
+
+def test_temp_names_round_trip_and_parse_both_shapes() -> None:
+    final = "/r/ns/g0/c/0/0/0/0/0/7/1234"
+    temp = paths.temp_path_for(final, "00ff")
+    assert temp == "/r/ns/g0/c/0/0/0/0/0/7/.1234.tmp-00ff"
+    assert paths.final_path_of(temp) == final
+    assert paths.parse_temp_lo(".1234.tmp-00ff") == 1234
+    assert paths.parse_temp_lo("1234.tmp-00ff") == 1234  # the shape before the dot-name
+    assert paths.parse_temp_lo("1234") is None
+    assert paths.parse_temp_lo(".zarr.json.tmp-1") is None
+
+
+def test_block_names_are_canonical_decimals() -> None:
+    assert paths.parse_lo("0") == 0
+    assert paths.parse_lo(str((1 << HASH_LO_BITS) - 1)) == (1 << HASH_LO_BITS) - 1
+    for name in ["01", "", "-1", "1 ", "12\n", "\u00b2", str(1 << HASH_LO_BITS), ".1.tmp-x"]:
+        assert paths.parse_lo(name) is None, name
+    assert paths.parse_group_dir("g12") == 12
+    assert paths.parse_group_dir("g012") is None
+
+
+def test_held_names_carry_their_time() -> None:
+    name = paths.held_block_name(1, 2, 3, 456)
+    assert name == "g1-2-3-456" and paths.held_since_ns(name) == 456
+    removed = paths.removed_namespace_name("m-0123456789ab", 789)
+    assert removed.startswith(paths.REMOVED_PREFIX) and paths.held_since_ns(removed) == 789
+    assert paths.held_since_ns("no-time-x") is None
+
+
+def test_array_paths_and_listing_skip_what_is_not_a_block(tmp_path: Path) -> None:
+    array = ArrayPaths(tmp_path / "g0", 3)
+    h = block_hash(1)
+    hi, lo = hash_coords(h)
+    assert array.block(h) == str(tmp_path / "g0" / "c" / "0" / "0" / "0" / str(hi) / str(lo))
+    assert array.block_at(hi, lo) == array.block(h)
+    assert array.chain()[-1] == array.fanout_root and len(array.chain()) == 4
+    directory = array.fanout_dir(hi)
+    directory.mkdir(parents=True)
+    Path(array.block(h)).write_bytes(b"x" * 10)
+    Path(paths.temp_path_for(array.block(h), "ab")).write_bytes(b"t")
+    (directory / "5").symlink_to(array.block(h))  # a link is never a block
+    (directory / "6").mkdir()
+    os.mkfifo(directory / "7")
+    (directory / "08").write_bytes(b"not canonical")
+    (array.fanout_dir(3)).symlink_to(directory)  # a linked fan-out directory is not entered
+    found = list(array.list_blocks())
+    assert [(f.hash_hi, f.hash_lo, f.nbytes) for f in found] == [(hi, lo, 10)]
+    assert found[0].path_hex == h.hex()[: paths.PATH_HEX_DIGITS]
+    assert [p.name for p in array.list_temps()] == [f".{lo}.tmp-ab"]
+    assert list(array.list_blocks([hi + 1 if hi < 255 else 0])) == []
