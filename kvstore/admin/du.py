@@ -5,7 +5,12 @@ crash), quarantined files, trash (evicted blocks waiting out the grace period) a
 files; in the root: namespaces being removed, temporary and foreign entries. Sizes are
 ``st_size`` sums of the files (see :mod:`kvstore.admin.scan`); ``gc_usage`` is what
 ``kvstore gc --max-bytes`` compares with its budget (everything but trash and removed
-namespaces, which are already on their way out).
+namespaces, which are already on their way out, and including what can be listed of
+namespaces whose ``zarr.json`` cannot be read).
+
+What cannot be read (a directory that cannot be listed, a namespace whose ``zarr.json`` is
+unreadable) is reported on stderr and under ``problems`` and the rest is counted; the figures
+are then lower bounds (``complete: false``) and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -86,7 +91,16 @@ def usage(scan: StoreScan) -> dict[str, Any]:
         "namespaces": namespaces,
         "root_entries": {"temp": root_temp, "foreign": root_foreign, "removed_namespaces": removed},
         "total": total,
+        "complete": scan.complete,
+        "problems": problems(scan),
     }
+
+
+def problems(scan: StoreScan, *, namespaces: bool = True) -> list[dict[str, str]]:
+    """What the scan could not read: unreadable namespaces (unless ``namespaces`` is False: a
+    scan of chosen namespaces), then directories that could not be listed."""
+    bad = list(scan.store.problems) if namespaces else []
+    return [{"path": str(p.path), "detail": p.detail} for p in [*bad, *scan.unreadable]]
 
 
 def gc_usage(scan: StoreScan) -> int:
@@ -96,6 +110,7 @@ def gc_usage(scan: StoreScan) -> int:
         + sum(t.size for t in scan.temps)
         + sum(q.size for q in scan.quarantine)
         + sum(f.size for f in scan.foreign)
+        + sum(u.size for u in scan.unusable)
     )
 
 
@@ -169,15 +184,15 @@ def render(doc: dict[str, Any]) -> list[str]:
 
 
 def run(root: Path, *, as_json: bool) -> int:
-    """``kvstore du``: exit 0."""
+    """``kvstore du``: exit 0, or 1 when something could not be read (figures incomplete)."""
     store = open_root(root)
     with Progress(fanout_dirs(store.namespaces), "scanning") as bar:
         scan = scan_store(store, on_dir=bar.update)
-    for problem in store.problems:
-        warn(f"unreadable namespace {problem.path}: {problem.detail}")
     doc = usage(scan)
+    for problem in doc["problems"]:
+        warn(f"cannot read {problem['path']}: {problem['detail']}")
     if as_json:
         print_json(doc)
     else:
         print_lines(render(doc))
-    return 0
+    return 0 if not doc["problems"] else 1

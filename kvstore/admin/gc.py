@@ -31,6 +31,24 @@ older than ``--grace`` is unlinked at the start of every run. Just before renami
 stats it again and keeps it if a reader used it since the scan. Temporary files older than
 ``--tmp-age`` (crashed writers) are deleted too.
 
+**Hostile trees** (docs/reliability.md). What gc cannot read it reports, and it carries on
+with the rest: a directory that cannot be listed (its blocks are neither counted nor evicted),
+a namespace whose ``zarr.json`` cannot be read (what can be listed of it is counted against
+the budget, nothing of it is evicted), a trash entry that cannot be deleted. Then the usage
+figure is a lower bound: the report says ``usage_complete: false``; gc still evicts from the
+readable part (a store that is over budget must not grow because one directory is unreadable)
+and exits 1 ("findings") even when within budget. A ``<ns>/trash`` that is not a real
+directory (a symbolic link, a file) is never moved into: gc deletes that namespace's victims
+directly (phase 1 and 2 at once: a reader that opened the file keeps reading it on a local
+file system; on NFS its read may fail, which is a miss, never a wrong page) and reports it;
+``kvstore verify --fix`` removes the bad entry.
+
+**Clock jumps.** A block whose mtime is in the future (written while the clock was ahead)
+would never be older than ``--max-age`` and would sort as the most recently used forever: gc
+sets such an mtime to now (not in a dry run), after which it ages like any other. Trash named
+with a future time is renamed with the current time (:func:`kvstore.admin.trash.restamp_future`)
+and expires one grace period later.
+
 **--watch** repeats a pass (scan, empty expired trash, sweep orphan temps, evict to budget)
 every ``--interval`` seconds until SIGINT/SIGTERM (or ``--max-passes``). It keeps an in-memory
 index (path → size, mtime, inode, hash, parent) and reads the header only of files it has not
@@ -42,7 +60,9 @@ from __future__ import annotations
 
 import enum
 import heapq
+import os
 import signal
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -56,9 +76,25 @@ from kvstore.admin.blockfile import read_header
 from kvstore.admin.du import gc_usage
 from kvstore.admin.progress import Progress
 from kvstore.admin.report import print_json, print_lines, table, warn
-from kvstore.admin.scan import Entry, StoreRoot, fanout_dirs, open_root, scan_store
+from kvstore.admin.scan import (
+    TRASH,
+    Entry,
+    StoreRoot,
+    StoreScan,
+    fanout_dirs,
+    file_kind,
+    open_root,
+    scan_store,
+)
 from kvstore.admin.sizes import format_duration, format_size, iso_time
-from kvstore.admin.trash import DEFAULT_GRACE_S, delete_held, expired, trash_block
+from kvstore.admin.trash import (
+    DEFAULT_GRACE_S,
+    HeldDirectoryError,
+    delete_held,
+    expired,
+    restamp_future,
+    trash_block,
+)
 from kvstore.admin.verify import DEFAULT_TMP_AGE_S
 from kvstore.errors import CorruptBlockError, KvstoreError
 from kvstore.keys import hash_coords
@@ -246,23 +282,84 @@ def evict(
     return out
 
 
-def _remove_for_real(store: StoreRoot) -> EvictFn:
+def _remove_for_real(store: StoreRoot, findings: list[dict[str, str]]) -> EvictFn:
+    """Evict by renaming into ``<ns>/trash``; where that is not a real directory, unlink the
+    victim directly and add one finding per namespace to ``findings``."""
     paths = {ns.name: ns.path for ns in store.namespaces}
+    no_trash: set[str] = set()
 
     def remove(block: Block) -> Evicted | int:
         try:
-            st = Path(block.path).stat()
+            st = os.lstat(block.path)
         except FileNotFoundError:
             return Evicted.GONE
+        if not stat.S_ISREG(st.st_mode):
+            return Evicted.GONE  # replaced by something else since the scan: not a block
         if st.st_ino != block.ino or st.st_mtime_ns > block.mtime_ns:
             block.ino = st.st_ino
             return max(st.st_mtime_ns, block.mtime_ns + 1)
-        moved = trash_block(
-            paths[block.namespace], block.group, block.hash_hi, block.hash_lo, block.path
-        )
-        return Evicted.REMOVED if moved else Evicted.GONE
+        if block.namespace not in no_trash:
+            try:
+                moved = trash_block(
+                    paths[block.namespace], block.group, block.hash_hi, block.hash_lo, block.path
+                )
+            except HeldDirectoryError as exc:
+                no_trash.add(block.namespace)
+                findings.append(
+                    {
+                        "kind": "trash-unusable",
+                        "path": str(paths[block.namespace] / TRASH),
+                        "detail": f"{exc}; evicted blocks of this namespace are deleted "
+                        "directly (kvstore verify --fix removes the entry)",
+                    }
+                )
+            else:
+                return Evicted.REMOVED if moved else Evicted.GONE
+        try:
+            Path(block.path).unlink()
+        except FileNotFoundError:
+            return Evicted.GONE
+        return Evicted.REMOVED
 
     return remove
+
+
+def _unpin_future(blocks: Sequence[Block], now_ns: int, dry_run: bool) -> int:
+    """Set mtimes later than ``now_ns`` (a clock that was ahead) to ``now_ns``; how many."""
+    count = 0
+    for b in blocks:
+        if b.mtime_ns <= now_ns:
+            continue
+        count += 1
+        if not dry_run:
+            try:
+                os.utime(b.path, ns=(now_ns, now_ns), follow_symlinks=False)
+            except OSError:
+                continue  # gone, or read-only: this pass still treats it as used now
+        b.mtime_ns = now_ns
+    return count
+
+
+def _findings(scan: StoreScan, store: StoreRoot) -> list[dict[str, str]]:
+    """What this pass could not read: it makes the usage figure a lower bound."""
+    out = [
+        {"kind": "bad-namespace", "path": str(p.path), "detail": p.detail} for p in store.problems
+    ]
+    out += [
+        {"kind": "unreadable", "path": str(p.path), "detail": p.detail} for p in scan.unreadable
+    ]
+    for entry in scan.foreign:
+        name = Path(entry.path).name
+        if entry.namespace is not None and entry.group is None and name == TRASH:
+            out.append(
+                {
+                    "kind": "trash-unusable",
+                    "path": entry.path,
+                    "detail": f"expected a directory, got a {file_kind(entry.mode)} (never "
+                    "entered; evicted blocks of this namespace are deleted directly)",
+                }
+            )
+    return out
 
 
 def _pretend(block: Block) -> Evicted | int:
@@ -285,11 +382,16 @@ def gc_pass(
         scan = scan_store(store, on_dir=bar.update)
     now = time.time_ns() if now_ns is None else now_ns
     usage_before = gc_usage(scan)
+    findings = _findings(scan, store)
     trash_bytes = sum(t.size for t in scan.trash) + sum(r.size for r in scan.removed)
+    held = [*scan.trash, *scan.removed]
+    if not policy.dry_run:
+        held = restamp_future(held, now)
     # Phase 2 of earlier deletions, and crashed writers' files.
-    emptied = delete_held(
-        expired([*scan.trash, *scan.removed], policy.grace_s, now), dry_run=policy.dry_run
-    )
+    emptied = delete_held(expired(held, policy.grace_s, now), dry_run=policy.dry_run)
+    findings += [
+        {"kind": "undeletable", "path": f.split(": ", 1)[0], "detail": f} for f in emptied.failed
+    ]
     orphans = [t for t in scan.temps if t.mtime_ns <= now - int(policy.tmp_age_s * 1e9)]
     swept = swept_bytes = 0
     for temp in orphans:
@@ -302,13 +404,14 @@ def gc_pass(
         swept_bytes += temp.size
     with Progress(len(scan.blocks), "headers", unit="block", enabled=progress) as bar:
         blocks = index.refresh(scan.blocks, bar.update)
+    unpinned = _unpin_future(blocks, now, policy.dry_run)
     cutoff = now - int(policy.max_age_s * 1e9) if policy.max_age_s is not None else None
     selection = evict(
         blocks,
         usage=usage_before - swept_bytes,
         max_bytes=policy.max_bytes,
         cutoff_ns=cutoff,
-        remove=_pretend if policy.dry_run else _remove_for_real(store),
+        remove=_pretend if policy.dry_run else _remove_for_real(store, findings),
     )
     evicted_bytes = sum(b.size for b in selection.evicted)
     by_ns: dict[str, dict[str, int]] = {}
@@ -334,8 +437,12 @@ def gc_pass(
             "quarantine_bytes": sum(q.size for q in scan.quarantine),
             "foreign_bytes": sum(f.size for f in scan.foreign),
             "trash_bytes": trash_bytes,
+            "unusable_bytes": sum(u.size for u in scan.unusable),
             "usage": usage_before,
         },
+        "usage_complete": scan.complete,
+        "future_mtimes_reset": unpinned,
+        "findings": findings,
         "trash_emptied": {
             "entries": emptied.entries,
             "files": emptied.files,
@@ -394,7 +501,19 @@ def render(doc: dict[str, Any]) -> list[str]:
         f"{tr['files']} orphan temporary files ({format_size(tr['bytes'])})"
     )
     state = "OVER BUDGET (only non-block bytes left)" if doc["over_budget"] else "within budget"
-    lines.append(f"  usage after: {format_size(doc['after']['usage'])}, {state}")
+    bound = "" if doc["usage_complete"] else " at least (some directories could not be read)"
+    lines.append(f"  usage after: {format_size(doc['after']['usage'])}{bound}, {state}")
+    if doc["future_mtimes_reset"]:
+        lines.append(
+            f"  {doc['future_mtimes_reset']} block(s) had a last use in the future: set to now"
+        )
+    if doc["findings"]:
+        lines.append(f"  {len(doc['findings'])} finding(s):")
+        lines += table(
+            ["kind", "path", "detail"],
+            [[f["kind"], f["path"], f["detail"]] for f in doc["findings"]],
+            indent="    ",
+        )
     return lines
 
 
@@ -405,7 +524,9 @@ def render_pass_line(doc: dict[str, Any], number: int) -> str:
         f"{doc['time']} pass {number}: usage {format_size(doc['before']['usage'])} -> "
         f"{format_size(doc['after']['usage'])}, evicted {ev['blocks']} "
         f"({format_size(ev['bytes'])}), unlinked {te['entries']} trash, "
-        f"{doc['seconds'] * 1e3:.0f} ms" + (" OVER BUDGET" if doc["over_budget"] else "")
+        f"{doc['seconds'] * 1e3:.0f} ms"
+        + (" OVER BUDGET" if doc["over_budget"] else "")
+        + (f", {len(doc['findings'])} finding(s)" if doc["findings"] else "")
     )
 
 
@@ -465,7 +586,8 @@ def run(
     watch_interval_s: float | None = None,
     max_passes: int | None = None,
 ) -> int:
-    """``kvstore gc``: exit 0 within budget, 1 over budget (nothing left to evict)."""
+    """``kvstore gc``: exit 0 within budget, 1 over budget (nothing left to evict) or findings
+    (something could not be read or had to be worked around; the findings say what)."""
     if policy.max_bytes is None and policy.max_age_s is None:
         raise ValueError("gc: expected --max-bytes or --max-age (or both), got neither")
     if watch_interval_s is None:
@@ -474,7 +596,9 @@ def run(
             print_json(doc)
         else:
             print_lines(render(doc))
-        return 1 if doc["over_budget"] else 0
+        for f in doc["findings"]:
+            warn(f"{f['kind']}: {f['path']}: {f['detail']}")
+        return 1 if doc["over_budget"] or doc["findings"] else 0
 
     def on_pass(doc: dict[str, Any], number: int) -> None:
         if as_json:

@@ -4,6 +4,8 @@
 last use); ``kvstore ls ROOT NS`` lists the blocks of one namespace (group, hash from the
 header, parent, tokens, size, last use), most recently used first. Last use is the block file's
 mtime (see ``docs/admin.md``). Read-only; listing a namespace reads each block's 176-byte header.
+What cannot be read (a namespace whose ``zarr.json`` is unreadable, a directory that cannot be
+listed) is reported on stderr and under ``problems``; the rest is listed and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.admin.blockfile import read_header
+from kvstore.admin.du import problems
 from kvstore.admin.progress import Progress
 from kvstore.admin.report import print_json, print_lines, table, warn
 from kvstore.admin.scan import (
@@ -86,7 +89,7 @@ def list_namespaces(root: Path, *, progress: bool = True) -> dict[str, Any]:
         "root": str(store.root),
         "namespaces": [r.to_json() for r in rows],
         "total": {"blocks": sum(r.blocks for r in rows), "bytes": sum(r.bytes for r in rows)},
-        "problems": [{"path": str(p.path), "detail": p.detail} for p in store.problems],
+        "problems": problems(scan),
     }
 
 
@@ -106,6 +109,7 @@ def list_blocks(root: Path, name: str, *, progress: bool = True) -> dict[str, An
         "root": str(store.root),
         "namespace": summarize(ns, scan.blocks).to_json(),
         "blocks": rows,
+        "problems": problems(scan, namespaces=False),
     }
 
 
@@ -182,19 +186,12 @@ def render_blocks(doc: dict[str, Any]) -> list[str]:
 
 
 def run(root: Path, namespace: str | None, *, as_json: bool) -> int:
-    """``kvstore ls``: exit 0 (listing never has findings)."""
-    if namespace is None:
-        doc = list_namespaces(root)
-        for problem in doc["problems"]:
-            warn(f"unreadable namespace {problem['path']}: {problem['detail']}")
-        if as_json:
-            print_json(doc)
-        else:
-            print_lines(render_namespaces(doc))
-        return 0
-    doc = list_blocks(root, namespace)
+    """``kvstore ls``: exit 0, or 1 when something could not be read (listing incomplete)."""
+    doc = list_namespaces(root) if namespace is None else list_blocks(root, namespace)
+    for problem in doc["problems"]:
+        warn(f"cannot read {problem['path']}: {problem['detail']}")
     if as_json:
         print_json(doc)
     else:
-        print_lines(render_blocks(doc))
-    return 0
+        print_lines(render_namespaces(doc) if namespace is None else render_blocks(doc))
+    return 1 if doc["problems"] else 0

@@ -14,6 +14,14 @@ into one of:
   ``kvstore gc``, waiting out the grace period) and **removed namespaces**
   (``<root>/.trash-<ns>-<ns time>``: namespaces removed by ``kvstore rm``).
 
+**Hostile trees.** Every directory is listed through a descriptor opened with ``O_NOFOLLOW |
+O_DIRECTORY`` (:func:`list_dir`), and every entry is classified by ``lstat``: a symbolic link is
+never followed (it is a foreign entry, whatever it points at), a FIFO, socket or device is never
+opened (foreign, or a finding of the metadata check), and a directory that cannot be listed
+(EACCES, EIO) is recorded in :attr:`StoreScan.unreadable` while the scan carries on with the
+rest. ``zarr.json`` documents are read only when ``lstat`` says they are regular files
+(:func:`read_document`).
+
 Nothing here writes, creates or touches anything (no store object is opened: that would probe
 O_DIRECT with a file in the root and create missing fan-out directories). Files that vanish
 while we list them (eviction, a rename by a writer) are skipped. Sizes are apparent sizes
@@ -22,10 +30,11 @@ while we list them (eviction, a rename by a writer) are skipped. Sizes are appar
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +47,9 @@ from kvstore.store import metadata
 from kvstore.store.format import ShardLayout
 from kvstore.store.group_store import TMP_MARK
 from kvstore.store.page_store import QUARANTINE
+
+# Opening a directory for listing: never through a symbolic link, never blocking.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 TRASH = "trash"  # <ns>/trash/: evicted blocks waiting out the grace period
 REMOVED_PREFIX = ".trash-"  # <root>/.trash-<ns>-<time_ns>: a namespace being removed
@@ -123,6 +135,7 @@ class Entry:
     mtime_ns: int
     ino: int
     is_dir: bool = False
+    mode: int = 0  # st_mode from lstat (foreign entries: what kind of file it is)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +160,108 @@ class StoreScan:
     quarantine: list[HeldFile] = field(default_factory=list)
     trash: list[HeldFile] = field(default_factory=list)
     removed: list[HeldFile] = field(default_factory=list)  # <root>/.trash-* directories
+    # Directories that could not be listed (EACCES, EIO): their contents are not counted.
+    unreadable: list[Problem] = field(default_factory=list)
+    # Namespace-like directories whose zarr.json cannot be read (StoreRoot.problems): what
+    # could be counted of them (gc counts it against its budget; none of it is evicted).
+    unusable: list[HeldFile] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every directory could be listed (else usage figures are lower bounds)."""
+        return not self.unreadable
+
+
+def list_dir(path: str | Path) -> list[tuple[str, os.stat_result]]:
+    """``(name, lstat)`` of every entry of directory ``path``, never following a link.
+
+    ``path`` itself is opened with ``O_NOFOLLOW | O_DIRECTORY``: a symbolic link, FIFO or file
+    there lists as empty (its parent's listing reports it), as does a directory that is gone.
+    Entries that vanish while listed are left out. Any other failure (EACCES, EIO, ...) raises
+    that ``OSError``. (Tests inject failures by replacing this function.)
+    """
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symbolic link: not entered
+            return []
+        raise
+    try:
+        with os.scandir(fd) as it:
+            entries = list(it)
+        out = []
+        for entry in entries:
+            try:
+                out.append((entry.name, os.stat(entry.name, dir_fd=fd, follow_symlinks=False)))
+            except FileNotFoundError:
+                continue
+        return out
+    finally:
+        os.close(fd)
+
+
+def _listing(path: str | Path, unreadable: list[Problem]) -> list[tuple[str, os.stat_result]]:
+    """:func:`list_dir`, recording a directory that cannot be listed instead of raising."""
+    try:
+        return list_dir(path)
+    except OSError as exc:
+        unreadable.append(Problem(Path(path), _why(exc)))
+        return []
+
+
+def _why(exc: OSError) -> str:
+    return f"cannot list: {exc.strerror or exc}"
+
+
+def file_kind(mode: int) -> str:
+    """What ``mode`` (st_mode) says a file is, in words."""
+    if stat.S_ISREG(mode):
+        return "regular file"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISLNK(mode):
+        return "symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "special file"
+
+
+def read_document(directory: Path) -> dict[str, object] | None:
+    """``metadata.read_document`` after ``lstat`` checks that never open a hostile entry.
+
+    ``directory`` must be a real directory (a symbolic link is not read through) and its
+    ``zarr.json`` a regular file (a FIFO would block the open, a link could lead out of the
+    root): anything else is a :class:`StoreFormatError` naming what was found. None when
+    ``zarr.json`` is absent (as ``metadata.read_document``).
+    """
+    try:
+        dst = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StoreFormatError(f"{directory}: cannot stat ({exc.strerror})") from exc
+    if not stat.S_ISDIR(dst.st_mode):
+        raise StoreFormatError(
+            f"{directory}: expected a directory, got a {file_kind(dst.st_mode)} (not followed)"
+        )
+    path = directory / metadata.ZARR_JSON
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StoreFormatError(f"{path}: cannot stat ({exc.strerror})") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreFormatError(
+            f"{path}: expected a regular file, got a {file_kind(st.st_mode)} (never opened)"
+        )
+    return metadata.read_document(directory)
 
 
 def open_root(root: Path) -> StoreRoot:
@@ -155,7 +270,7 @@ def open_root(root: Path) -> StoreRoot:
     if not root.is_dir():
         got = "a file" if root.exists() else "nothing there"
         raise StoreFormatError(f"store root {root}: expected a kvstore store directory, got {got}")
-    doc = metadata.read_document(root)
+    doc = read_document(root)
     if doc is None:
         raise StoreFormatError(
             f"store root {root}: expected a kvstore store ({metadata.ZARR_JSON} with "
@@ -167,14 +282,18 @@ def open_root(root: Path) -> StoreRoot:
             f"store root {root}: expected attributes.kvstore = {metadata.STORE_ATTRS}, "
             f"got {attrs or 'none'}"
         )
+    try:
+        listed = list_dir(root)
+    except OSError as exc:
+        raise StoreFormatError(f"store root {root}: {_why(exc)}") from exc
     namespaces: list[NamespaceInfo] = []
     problems: list[Problem] = []
-    for entry in _scandir(root):
-        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
+    for name, st in listed:
+        if name.startswith(".") or not stat.S_ISDIR(st.st_mode):
             continue
-        path = Path(entry.path)
+        path = root / name
         try:
-            ns_doc = metadata.read_document(path)
+            ns_doc = read_document(path)
         except StoreFormatError as exc:
             problems.append(Problem(path, str(exc)))
             continue
@@ -218,7 +337,7 @@ def _array_compression(array_path: Path) -> str:
     """The compression an array's zarr.json records; "none" when it is missing or unreadable
     (verify's metadata check reports that array separately)."""
     try:
-        doc = metadata.read_document(array_path)
+        doc = read_document(array_path)
         return "none" if doc is None else metadata.array_compression(doc, array_path)
     except StoreFormatError:
         return "none"
@@ -253,51 +372,50 @@ def fanout_dirs(namespaces: Iterable[NamespaceInfo]) -> int:
 
 
 def _scan_root(store: StoreRoot, scan: StoreScan) -> None:
-    known = {ns.name for ns in store.namespaces} | {p.path.name for p in store.problems}
-    for entry in _scandir(store.root):
-        name = entry.name
+    problems = {p.path.name: p for p in store.problems}
+    known = {ns.name for ns in store.namespaces}
+    for name, st in _listing(store.root, scan.unreadable):
+        path = f"{store.root}{os.sep}{name}"
         if name == metadata.ZARR_JSON or name in known:
             continue
-        st = _lstat(entry)
-        if st is None:
-            continue
         is_dir = stat.S_ISDIR(st.st_mode)
-        if name.startswith(REMOVED_PREFIX) and is_dir:
-            files, size = tree_usage(entry.path)
-            scan.removed.append(HeldFile(entry.path, None, size, files, _since_ns(name, st)))
-        elif (name.startswith((DOC_TMP_PREFIX, PROBE_PREFIX))) and not is_dir:
-            scan.temps.append(_entry(TEMP, entry.path, None, None, -1, -1, st))
+        if name in problems:
+            # Unreadable as a namespace, but its bytes are on the disk all the same.
+            files, size = tree_usage(path, scan.unreadable)
+            scan.unusable.append(HeldFile(path, name, size, files, st.st_mtime_ns))
+        elif name.startswith(REMOVED_PREFIX) and is_dir:
+            files, size = tree_usage(path, scan.unreadable)
+            scan.removed.append(HeldFile(path, None, size, files, _since_ns(name, st)))
+        elif (name.startswith((DOC_TMP_PREFIX, PROBE_PREFIX))) and stat.S_ISREG(st.st_mode):
+            scan.temps.append(_entry(TEMP, path, None, None, -1, -1, st))
         else:
-            scan.foreign.append(_foreign(entry.path, None, None, st))
+            scan.foreign.append(_foreign(path, None, None, st, scan))
 
 
 def _scan_namespace(
     ns: NamespaceInfo, scan: StoreScan, on_dir: Callable[[], None] | None, arrays: bool
 ) -> None:
     groups = {f"g{g.index}": g for g in ns.groups}
-    for entry in _scandir(ns.path):
-        name = entry.name
-        if name == metadata.ZARR_JSON or (name in groups and not entry.is_symlink()):
-            continue
-        st = _lstat(entry)
-        if st is None:
-            continue
+    for name, st in _listing(ns.path, scan.unreadable):
+        path = f"{ns.path}{os.sep}{name}"
         is_dir = stat.S_ISDIR(st.st_mode)
+        if name == metadata.ZARR_JSON or (name in groups and is_dir):
+            continue
         if name in (QUARANTINE, TRASH) and is_dir:
             held = scan.quarantine if name == QUARANTINE else scan.trash
-            for item in _scandir(entry.path):
-                ist = _lstat(item)
-                if ist is None:
-                    continue
+            for item, ist in _listing(path, scan.unreadable):
+                item_path = f"{path}{os.sep}{item}"
                 if stat.S_ISDIR(ist.st_mode):
-                    files, size = tree_usage(item.path)
+                    files, size = tree_usage(item_path, scan.unreadable)
                 else:
                     files, size = 1, ist.st_size
-                held.append(HeldFile(item.path, ns.name, size, files, _since_ns(item.name, ist)))
-        elif name.startswith(DOC_TMP_PREFIX) and not is_dir:
-            scan.temps.append(_entry(TEMP, entry.path, ns.name, None, -1, -1, st))
+                held.append(HeldFile(item_path, ns.name, size, files, _since_ns(item, ist)))
+        elif name.startswith(DOC_TMP_PREFIX) and stat.S_ISREG(st.st_mode):
+            scan.temps.append(_entry(TEMP, path, ns.name, None, -1, -1, st))
         else:
-            scan.foreign.append(_foreign(entry.path, ns.name, None, st))
+            # Includes a ``trash`` or ``quarantine`` that is not a real directory (a link, a
+            # file, a FIFO): never entered, never moved into; gc and verify say so.
+            scan.foreign.append(_foreign(path, ns.name, None, st, scan))
     if arrays:
         for group in ns.groups:
             _scan_group(ns, group, scan, on_dir)
@@ -306,77 +424,85 @@ def _scan_namespace(
 def _scan_group(
     ns: NamespaceInfo, group: GroupInfo, scan: StoreScan, on_dir: Callable[[], None] | None
 ) -> None:
-    # The array directory and the chain c/0/…/0 above the fan-out: only known names allowed.
-    expected_child = {str(group.path): "c"}
-    level = group.path / "c"
-    for _ in range(group.leading_dims):
-        expected_child[str(level)] = "0"
-        level = level / "0"
-    for directory, child in expected_child.items():
-        if Path(directory).is_symlink():
-            return  # reported as foreign by its parent's listing; never scanned through
-        for entry in _scandir(directory):
-            if (entry.name == child and not entry.is_symlink()) or (
-                directory == str(group.path)
-                and (entry.name == metadata.ZARR_JSON or entry.name.startswith(DOC_TMP_PREFIX))
+    # The array directory and the chain c/0/…/0 above the fan-out: only known names allowed,
+    # each entered only if its parent's listing showed a real directory (lstat).
+    directory = str(group.path)
+    child = "c"
+    for depth in range(group.leading_dims + 1):
+        entered = False
+        for name, st in _listing(directory, scan.unreadable):
+            if name == child and stat.S_ISDIR(st.st_mode):
+                entered = True
+                continue
+            if depth == 0 and (
+                (name == metadata.ZARR_JSON and stat.S_ISREG(st.st_mode))
+                or (name.startswith(DOC_TMP_PREFIX) and stat.S_ISREG(st.st_mode))
             ):
                 continue
-            st = _lstat(entry)
-            if st is not None:
-                scan.foreign.append(_foreign(entry.path, ns.name, group.index, st))
-    fanout = str(group.fanout_root)
-    if Path(fanout).is_symlink():
-        return
+            scan.foreign.append(
+                _foreign(f"{directory}{os.sep}{name}", ns.name, group.index, st, scan)
+            )
+        if not entered:
+            return  # missing, or not a real directory (reported above): never scanned through
+        directory = f"{directory}{os.sep}{child}"
+        child = "0"
+    fanout = directory
     valid_hi = {str(hi) for hi in range(HASH_HI_FANOUT)}
-    for entry in _scandir(fanout):
-        if entry.name not in valid_hi or not entry.is_dir(follow_symlinks=False):
-            st = _lstat(entry)
-            if st is not None:
-                scan.foreign.append(_foreign(entry.path, ns.name, group.index, st))
-    directories = [f"{fanout}{os.sep}{hi}" for hi in range(HASH_HI_FANOUT)]
+    present: list[int] = []
+    for name, st in _listing(fanout, scan.unreadable):
+        if name in valid_hi and stat.S_ISDIR(st.st_mode):
+            present.append(int(name))
+        else:
+            scan.foreign.append(_foreign(f"{fanout}{os.sep}{name}", ns.name, group.index, st, scan))
+    present.sort()
+    directories = [f"{fanout}{os.sep}{hi}" for hi in present]
     # On a shared file system every listing and stat is a network round trip: list the fan-out
     # directories on threads (merged in order: the scan is exactly what a serial one finds).
     with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="kvstore-scan") as pool:
-        for hi, listed in enumerate(pool.map(_list_with_stats, directories)):
-            _scan_fanout(ns, group, hi, listed, scan)
+        for hi, listed in zip(present, pool.map(_list_or_error, directories), strict=True):
+            if isinstance(listed, Problem):
+                scan.unreadable.append(listed)
+            else:
+                _scan_fanout(ns, group, hi, f"{fanout}{os.sep}{hi}", listed, scan)
             if on_dir is not None:
                 on_dir()
+    if on_dir is not None:
+        for _ in range(HASH_HI_FANOUT - len(present)):
+            on_dir()
 
 
-def _list_with_stats(directory: str) -> list[tuple[os.DirEntry[str], os.stat_result]]:
-    """The entries of ``directory`` with their lstat (entries gone meanwhile left out)."""
-    listed = []
-    for entry in _scandir(directory):
-        st = _lstat(entry)
-        if st is not None:
-            listed.append((entry, st))
-    return listed
+def _list_or_error(directory: str) -> list[tuple[str, os.stat_result]] | Problem:
+    try:
+        return list_dir(directory)
+    except OSError as exc:
+        return Problem(Path(directory), _why(exc))
 
 
 def _scan_fanout(
     ns: NamespaceInfo,
     group: GroupInfo,
     hi: int,
-    listed: list[tuple[os.DirEntry[str], os.stat_result]],
+    directory: str,
+    listed: list[tuple[str, os.stat_result]],
     scan: StoreScan,
 ) -> None:
-    for entry, st in listed:
-        name = entry.name
+    for name, st in listed:
+        path = f"{directory}{os.sep}{name}"
         if not stat.S_ISREG(st.st_mode):
-            scan.foreign.append(_foreign(entry.path, ns.name, group.index, st))
+            scan.foreign.append(_foreign(path, ns.name, group.index, st, scan))
             continue
         lo = parse_lo(name)
         if lo is not None:
-            scan.blocks.append(_entry(BLOCK, entry.path, ns.name, group.index, hi, lo, st))
+            scan.blocks.append(_entry(BLOCK, path, ns.name, group.index, hi, lo, st))
             continue
         # ``.<lo>.tmp-<token>`` (group_store.temp_path_for); ``<lo>.tmp-<token>`` from
         # versions before the dot-name (still swept).
         base, mark, _token = name.removeprefix(".").partition(TMP_MARK)
         lo = parse_lo(base) if mark else None
         if lo is not None:
-            scan.temps.append(_entry(TEMP, entry.path, ns.name, group.index, hi, lo, st))
+            scan.temps.append(_entry(TEMP, path, ns.name, group.index, hi, lo, st))
         else:
-            scan.foreign.append(_foreign(entry.path, ns.name, group.index, st))
+            scan.foreign.append(_foreign(path, ns.name, group.index, st, scan))
 
 
 def parse_lo(name: str) -> int | None:
@@ -387,8 +513,10 @@ def parse_lo(name: str) -> int | None:
     return value if value < (1 << HASH_LO_BITS) else None
 
 
-def tree_usage(path: str) -> tuple[int, int]:
-    """(files, bytes) of every regular file below ``path`` (or of ``path`` itself)."""
+def tree_usage(path: str, unreadable: list[Problem] | None = None) -> tuple[int, int]:
+    """(files, bytes) of every entry below ``path`` that is not a directory (or of ``path``
+    itself); links are counted, never followed. Directories that cannot be listed are appended
+    to ``unreadable`` (when given) and counted as empty."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -396,14 +524,21 @@ def tree_usage(path: str) -> tuple[int, int]:
     if not stat.S_ISDIR(st.st_mode):
         return 1, st.st_size
     files = size = 0
-    for dirpath, _dirs, names in os.walk(path):
-        for name in names:
-            try:
-                fst = os.lstat(f"{dirpath}{os.sep}{name}")
-            except FileNotFoundError:
-                continue
-            files += 1
-            size += fst.st_size
+    pending = [path]
+    while pending:
+        directory = pending.pop()
+        try:
+            listed = list_dir(directory)
+        except OSError as exc:
+            if unreadable is not None:
+                unreadable.append(Problem(Path(directory), _why(exc)))
+            continue
+        for name, est in listed:
+            if stat.S_ISDIR(est.st_mode):
+                pending.append(f"{directory}{os.sep}{name}")
+            else:
+                files += 1
+                size += est.st_size
     return files, size
 
 
@@ -419,10 +554,14 @@ def _entry(
     return Entry(kind, path, namespace, group, hi, lo, st.st_size, st.st_mtime_ns, st.st_ino)
 
 
-def _foreign(path: str, namespace: str | None, group: int | None, st: os.stat_result) -> Entry:
+def _foreign(
+    path: str, namespace: str | None, group: int | None, st: os.stat_result, scan: StoreScan
+) -> Entry:
     is_dir = stat.S_ISDIR(st.st_mode)
-    size = tree_usage(path)[1] if is_dir else st.st_size
-    return Entry(FOREIGN, path, namespace, group, -1, -1, size, st.st_mtime_ns, st.st_ino, is_dir)
+    size = tree_usage(path, scan.unreadable)[1] if is_dir else st.st_size
+    return Entry(
+        FOREIGN, path, namespace, group, -1, -1, size, st.st_mtime_ns, st.st_ino, is_dir, st.st_mode
+    )
 
 
 def _since_ns(name: str, st: os.stat_result) -> int:
@@ -431,20 +570,3 @@ def _since_ns(name: str, st: os.stat_result) -> int:
     if m:
         return int(m.group(1))
     return st.st_ctime_ns  # a rename sets the inode change time
-
-
-def _scandir(path: str | Path) -> Iterator[os.DirEntry[str]]:
-    """Entries of a directory; nothing if it is gone or not a directory."""
-    try:
-        with os.scandir(path) as it:
-            entries = list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    yield from entries
-
-
-def _lstat(entry: os.DirEntry[str]) -> os.stat_result | None:
-    try:
-        return entry.stat(follow_symlinks=False)
-    except FileNotFoundError:
-        return None

@@ -19,11 +19,25 @@ machines over a shared file system. The protocol that keeps every read whole:
 Every ``gc`` run (and every ``--watch`` pass, and ``rm``) first empties expired trash of every
 namespace and expired removed namespaces of the root. Quarantine (``<ns>/quarantine/``) is
 never emptied automatically: its files are kept for people to look at.
+
+**Hostile trees.** ``trash/`` and ``quarantine/`` are entered only as real directories: the
+namespace directory and then the held directory are opened with ``O_NOFOLLOW | O_DIRECTORY``
+and the rename targets that descriptor (``renameat``), so a symbolic link planted at
+``<ns>/trash`` (to a directory outside the root, say) is never moved into: :func:`trash_block`
+and :func:`quarantine_file` raise :class:`HeldDirectoryError` instead, and the caller decides
+(gc deletes the victim directly, verify leaves it in place; both report it).
+
+**Clock jumps.** An entry named with a time in the future (the clock was ahead when it was
+trashed, then stepped back) would wait until the clock catches up; :func:`restamp_future`
+renames it with the current time, so it expires one grace period later.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import re
 import shutil
 import stat
 import time
@@ -31,10 +45,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.admin.scan import REMOVED_PREFIX, TRASH, HeldFile
+from kvstore.admin.scan import REMOVED_PREFIX, TRASH, HeldFile, file_kind
+from kvstore.errors import KvstoreError
 from kvstore.store.page_store import QUARANTINE
 
 DEFAULT_GRACE_S = 60.0
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_TRAILING_NS = re.compile(r"-([0-9]+)$")
+
+
+class HeldDirectoryError(KvstoreError):
+    """``<ns>/trash`` or ``<ns>/quarantine`` exists but is not a real directory (a symbolic
+    link, a file, a FIFO ...): nothing is moved into it."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +66,7 @@ class Emptied:
     entries: int
     files: int
     bytes: int
+    failed: tuple[str, ...] = ()  # "<path>: <why>" of entries that could not be deleted
 
 
 def trash_block(namespace_path: Path, group: int, hi: int, lo: int, path: str) -> str | None:
@@ -75,33 +98,98 @@ def expired(held: Iterable[HeldFile], grace_s: float, now_ns: int | None = None)
 
 
 def delete_held(entries: Iterable[HeldFile], *, dry_run: bool = False) -> Emptied:
-    """Unlink trash files / remove trashed directories (phase 2); vanished ones are skipped."""
+    """Unlink trash files / remove trashed directories (phase 2); vanished ones are skipped,
+    ones that cannot be deleted (an unreadable directory inside, EACCES, EIO) are listed in
+    :attr:`Emptied.failed` and the rest carries on. A link is unlinked, never followed."""
     count = files = nbytes = 0
+    failed: list[str] = []
     for entry in entries:
         if not dry_run:
-            path = Path(entry.path)
             try:
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path)
+                if stat.S_ISDIR(os.lstat(entry.path).st_mode):
+                    shutil.rmtree(entry.path)  # fd-based on Linux: links inside not followed
                 else:
-                    path.unlink()
+                    Path(entry.path).unlink()
             except FileNotFoundError:
+                continue
+            except OSError as exc:
+                failed.append(f"{entry.path}: cannot delete ({exc.strerror or exc})")
                 continue
         count += 1
         files += entry.files
         nbytes += entry.size
-    return Emptied(count, files, nbytes)
+    return Emptied(count, files, nbytes, tuple(failed))
+
+
+def restamp_future(held: Iterable[HeldFile], now_ns: int | None = None) -> list[HeldFile]:
+    """Rename entries whose name carries a time after ``now_ns`` to carry ``now_ns`` instead
+    (same directory); returns ``held`` with those entries updated. Entries that vanished are
+    left out."""
+    now = time.time_ns() if now_ns is None else now_ns
+    out: list[HeldFile] = []
+    for h in held:
+        if h.since_ns <= now:
+            out.append(h)
+            continue
+        old = Path(h.path)
+        new = old.with_name(_TRAILING_NS.sub("", old.name) + f"-{now}")
+        try:
+            old.rename(new)  # renames the entry itself (a link is not followed)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            out.append(h)  # cannot rename (read-only?): it keeps its time
+            continue
+        out.append(HeldFile(str(new), h.namespace, h.size, h.files, now))
+    return out
 
 
 def _move(path: str, directory: Path, name: str) -> str | None:
-    target = directory / name
+    """Rename ``path`` to ``directory/name``, entering ``directory`` (and its parent, the
+    namespace) only as real directories; None if ``path`` or the namespace is gone."""
     try:
-        # The namespace's own permission bits (owner-only unless the store is group-shared):
-        # never parents=True, that would resurrect a removed namespace.
-        mode = stat.S_IMODE(directory.parent.stat().st_mode)
-        with contextlib.suppress(FileExistsError):
-            directory.mkdir(mode)
-        Path(path).rename(target)
+        parent = os.open(directory.parent, _DIR_FLAGS)
     except FileNotFoundError:
-        return None  # gone already (another gc, a reader's quarantine, rm of the namespace)
-    return str(target)
+        return None  # the namespace was removed meanwhile
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise HeldDirectoryError(
+                f"{directory.parent}: expected a directory, got none"
+            ) from None
+        raise
+    try:
+        # The namespace's own permission bits (owner-only unless the store is group-shared);
+        # mkdir is relative to the namespace's descriptor: a removed namespace is not
+        # resurrected.
+        mode = stat.S_IMODE(os.fstat(parent).st_mode)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory.name, mode, dir_fd=parent)
+        try:
+            held = os.open(directory.name, _DIR_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            raise HeldDirectoryError(_not_a_directory(directory)) from None
+        try:
+            os.rename(path, name, dst_dir_fd=held)
+        except FileNotFoundError:
+            return None  # gone already (another gc, a reader's quarantine, rm of the namespace)
+        finally:
+            os.close(held)
+    finally:
+        os.close(parent)
+    return str(directory / name)
+
+
+def _not_a_directory(directory: Path) -> str:
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return f"{directory}: expected a directory, got none"
+    what = file_kind(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        with contextlib.suppress(OSError):
+            what += f" to {directory.readlink()}"
+    return f"{directory}: expected a directory, got a {what} (never entered)"

@@ -14,6 +14,15 @@ Checks, per namespace:
 * the array documents (``g<k>/zarr.json``) against format v1 for the namespace's identity
   (**metadata**), and namespaces whose ``zarr.json`` cannot be read (**bad-namespace**).
 
+Hostile entries (docs/reliability.md) are findings of their own: **symlink** (a symbolic link
+anywhere in the store, with where it points and whether that is outside the root; never
+followed; ``--fix`` unlinks the link itself, never its target), **special-file** (a FIFO,
+socket or device where a file or directory belongs; never opened; ``--fix`` moves it to
+quarantine, a rename that opens nothing), **unreadable** (a directory that cannot be listed:
+reported, left alone, the rest is checked), and ``trash`` / ``quarantine`` entries that are not
+real directories (nothing is moved into them; ``--fix`` removes a link, quarantines a file;
+a ``quarantine`` that is not a directory is left for a person).
+
 The temp, foreign and metadata checks always cover the whole store; ``--sample`` only thins
 the block checks. Read-only unless ``--fix``: then bad blocks and foreign entries of a
 namespace move to ``<ns>/quarantine/`` and orphan temporary files are deleted; entries of the
@@ -27,6 +36,7 @@ import json
 import math
 import os
 import random
+import stat
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,22 +48,29 @@ from kvstore.admin.blockfile import BlockFault, check_block_file
 from kvstore.admin.progress import Progress
 from kvstore.admin.report import print_json, print_lines, table
 from kvstore.admin.scan import (
+    TRASH,
     Entry,
     NamespaceInfo,
     fanout_dirs,
+    file_kind,
     open_root,
+    read_document,
     scan_store,
 )
 from kvstore.admin.sizes import format_duration, format_size
-from kvstore.admin.trash import quarantine_file
+from kvstore.admin.trash import HeldDirectoryError, quarantine_file
 from kvstore.errors import StoreFormatError
 from kvstore.store import metadata
+from kvstore.store.page_store import QUARANTINE
 
 DEFAULT_TMP_AGE_S = 3600.0
 ORPHAN_TEMP = "orphan-temp"
 FOREIGN = "foreign"
 METADATA = "metadata"
 BAD_NAMESPACE = "bad-namespace"
+SYMLINK = "symlink"
+SPECIAL_FILE = "special-file"
+UNREADABLE = "unreadable"
 
 
 @dataclass(frozen=True)
@@ -116,7 +133,11 @@ def verify_store(root: Path, options: VerifyOptions) -> dict[str, Any]:
             )
             findings.append(_fix_temp(temp, detail, options))
     for entry in scan.foreign:
-        findings.append(_fix_foreign(entry, by_name, options))
+        findings.append(_fix_foreign(entry, by_name, store.root, options))
+    findings += [
+        Finding(UNREADABLE, str(p.path), None, None, p.detail, _left(options))
+        for p in scan.unreadable
+    ]
     findings.sort(key=lambda f: (f.kind, f.path))
     counts: dict[str, int] = {}
     for f in findings:
@@ -190,10 +211,9 @@ def _check_blocks(
             action = None
             if options.fix:
                 ns = namespaces[block.namespace or ""]
-                moved = quarantine_file(
-                    ns.path, f"g{block.group}-{block.hash_hi}-{block.hash_lo}", block.path
+                action = _quarantine(
+                    ns, f"g{block.group}-{block.hash_hi}-{block.hash_lo}", block.path
                 )
-                action = _quarantined(moved, ns)
             findings.append(
                 Finding(
                     outcome.kind, block.path, block.namespace, block.group, outcome.detail, action
@@ -210,7 +230,7 @@ def _check_metadata(namespaces: Sequence[NamespaceInfo], options: VerifyOptions)
                 metadata.array_document(ns.identity, group.index, group.compression)
             )
             try:
-                got = metadata.read_document(group.path)
+                got = read_document(group.path)
             except StoreFormatError as exc:
                 detail = str(exc)
             else:
@@ -245,20 +265,78 @@ def _fix_temp(temp: Entry, detail: str, options: VerifyOptions) -> Finding:
 
 
 def _fix_foreign(
-    entry: Entry, namespaces: dict[str, NamespaceInfo], options: VerifyOptions
+    entry: Entry, namespaces: dict[str, NamespaceInfo], root: Path, options: VerifyOptions
 ) -> Finding:
-    what = "directory" if entry.is_dir else "file"
-    detail = f"unexpected {what} ({format_size(entry.size)}): not part of format v1"
+    kind, detail = _describe_foreign(entry, root)
     action = None
     if options.fix:
-        if entry.namespace is None:
+        name = Path(entry.path).name
+        held_dir = entry.namespace is not None and entry.group is None
+        if kind == SYMLINK:
+            action = _unlink_link(entry.path)  # inside the root: the link, never its target
+        elif entry.namespace is None:
             action = "left in place (outside any namespace)"
+        elif held_dir and name == QUARANTINE:
+            action = "left in place (fix by hand: quarantine/ must be a directory)"
         else:
             ns = namespaces[entry.namespace]
-            name = "foreign-" + os.path.relpath(entry.path, ns.path).replace(os.sep, "-")
-            moved = quarantine_file(ns.path, name, entry.path)
-            action = _quarantined(moved, ns)
-    return Finding(FOREIGN, entry.path, entry.namespace, entry.group, detail, action)
+            quarantined = "foreign-" + os.path.relpath(entry.path, ns.path).replace(os.sep, "-")
+            action = _quarantine(ns, quarantined, entry.path)
+    return Finding(kind, entry.path, entry.namespace, entry.group, detail, action)
+
+
+def _describe_foreign(entry: Entry, root: Path) -> tuple[str, str]:
+    """(kind, detail) of a foreign entry: symlink, special-file or foreign."""
+    what = file_kind(entry.mode) if entry.mode else ("directory" if entry.is_dir else "file")
+    held_dir = entry.namespace is not None and entry.group is None
+    name = Path(entry.path).name
+    role = ""
+    if held_dir and name in (TRASH, QUARANTINE):
+        role = (
+            f"{name}/ must be a real directory; nothing is moved into this one"
+            + ("; gc deletes evicted blocks directly meanwhile" if name == TRASH else "")
+            + ". "
+        )
+    if stat.S_ISLNK(entry.mode):
+        try:
+            target = str(Path(entry.path).readlink())
+        except OSError:
+            target = "?"
+        # realpath only lstats and readlinks along the way: nothing is opened.
+        resolved = os.path.realpath(Path(entry.path).parent / target)
+        where = "inside" if _inside(resolved, root) else "OUTSIDE"
+        return SYMLINK, (
+            f"{role}symbolic link to {target!r} ({where} the root): never followed, not part of "
+            "format v1"
+        )
+    if entry.mode and not (stat.S_ISREG(entry.mode) or stat.S_ISDIR(entry.mode)):
+        return SPECIAL_FILE, f"{role}unexpected {what}: never opened, not part of format v1"
+    return FOREIGN, f"{role}unexpected {what} ({format_size(entry.size)}): not part of format v1"
+
+
+def _inside(path: str, root: Path) -> bool:
+    real_root = os.path.realpath(root)
+    return path == real_root or path.startswith(real_root + os.sep)
+
+
+def _unlink_link(path: str) -> str:
+    try:
+        Path(path).unlink()  # unlink never follows a link: the target is untouched
+    except FileNotFoundError:
+        return "vanished before the fix"
+    except OSError as exc:
+        return f"left in place (cannot unlink: {exc.strerror})"
+    return "unlinked (the link only)"
+
+
+def _quarantine(ns: NamespaceInfo, name: str, path: str) -> str:
+    try:
+        moved = quarantine_file(ns.path, name, path)
+    except HeldDirectoryError as exc:
+        return f"left in place ({exc})"
+    except OSError as exc:
+        return f"left in place (cannot move: {exc.strerror or exc})"
+    return _quarantined(moved, ns)
 
 
 def _quarantined(moved: str | None, ns: NamespaceInfo) -> str:

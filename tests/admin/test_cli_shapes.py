@@ -26,13 +26,15 @@ def test_json_shapes(root: Path, ns: str, capsys: pytest.CaptureFixture[str]) ->
         "oldest_ns", "newest_ns", "oldest", "newest",
     }  # fmt: skip
     rc, doc = cli_json(capsys, "ls", root, ns)
-    assert rc == 0 and set(doc) == {"root", "namespace", "blocks"}
+    assert rc == 0 and set(doc) == {"root", "namespace", "blocks", "problems"}
     assert set(doc["blocks"][0]) == {
         "group", "hash_hi", "hash_lo", "hash", "parent", "tokens", "bytes",
         "last_access_ns", "last_access", "path", "error",
     }  # fmt: skip
     rc, doc = cli_json(capsys, "du", root)
-    assert rc == 0 and set(doc) == {"root", "namespaces", "root_entries", "total"}
+    assert rc == 0 and set(doc) == {
+        "root", "namespaces", "root_entries", "total", "complete", "problems",
+    }  # fmt: skip
     assert set(doc["namespaces"][0]) == {
         "name", "blocks", "block_bytes", "groups", "temp", "quarantine", "trash", "foreign",
         "bytes",
@@ -48,7 +50,8 @@ def test_json_shapes(root: Path, ns: str, capsys: pytest.CaptureFixture[str]) ->
     rc, doc = cli_json(capsys, "gc", root, "--max-bytes", "1G")
     assert rc == 0 and set(doc) == {
         "root", "dry_run", "time", "policy", "before", "trash_emptied", "temps_removed",
-        "evicted", "after", "over_budget", "headers_read", "seconds",
+        "evicted", "after", "over_budget", "headers_read", "seconds", "usage_complete",
+        "future_mtimes_reset", "findings",
     }  # fmt: skip
     assert set(doc["evicted"]) == {
         "blocks", "bytes", "by_namespace", "kept_recently_used", "already_gone", "victims",
