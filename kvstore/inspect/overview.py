@@ -1,9 +1,11 @@
 """The ``overview`` view: namespaces -> identity -> per group geometry, block counts and bytes.
 
 Without ``check`` it only lists directories and stats files (fast on any store size): a file
-whose size is not the one its group's geometry fixes is counted as ``bad_size``. With ``check``
-every block is read and verified like a server would (header and every inner chunk), and
-damaged ones are counted as ``damaged`` and listed.
+whose size lies outside what its group's geometry and compression allow is counted as
+``bad_size`` (a raw block has exactly ``file_nbytes``; a compressed one lies within
+:func:`~kvstore.admin.blockfile.size_bounds`, and may be larger than the raw file). With
+``check`` every block is read and verified like a server would (header and every inner chunk),
+and damaged ones are counted as ``damaged`` and listed.
 
 Findings (what makes the CLI exit 1): bad-size or damaged blocks, and namespace / array
 documents that are not what format v1 prescribes.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvstore.admin.blockfile import size_bounds
 from kvstore.inspect.blockfile import check_block
 from kvstore.inspect.source import GroupView, NamespaceView, StoreView
 
@@ -21,6 +24,7 @@ def group_summary(group: GroupView, check: bool) -> dict[str, Any]:
     files = group.files()
     layout = group.layout
     spec = group.spec
+    low, high = size_bounds(layout, group.compression)
     doc: dict[str, Any] = {
         "group": group.index,
         "kind": spec.kind,
@@ -34,7 +38,7 @@ def group_summary(group: GroupView, check: bool) -> dict[str, Any]:
         "blocks": len(files),
         "bytes_on_disk": sum(f.nbytes for f in files),
         "kv_bytes": len(files) * layout.block_nbytes,
-        "bad_size": sum(f.nbytes != layout.file_nbytes for f in files),
+        "bad_size": sum(not low <= f.nbytes <= high for f in files),
         "temp_files": len(group.temp_files()),
         "oldest_mtime_ns": min((f.mtime_ns for f in files), default=None),
         "newest_mtime_ns": max((f.mtime_ns for f in files), default=None),

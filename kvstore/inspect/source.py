@@ -12,17 +12,27 @@ namespace's ``zarr.json`` (its identity), each array's ``zarr.json`` (compared w
 document format v1 prescribes for that identity; a difference is recorded as a problem, not
 raised: the identity alone fixes the geometry), and directory listings of the fan-out
 directories. Block contents are read by :mod:`kvstore.inspect.blockfile`.
+
+Hostile trees: every directory is entered component by component without following a
+symbolic link (:func:`kvstore.io.fileio.open_dir_nofollow`), entries are classified by
+``lstat``, and a ``zarr.json`` is opened only when ``lstat`` says it is a regular file (a FIFO
+would block the open). What cannot be read (a directory that cannot be listed, a block name
+holding a FIFO or link, a namespace whose ``zarr.json`` is not a regular file) is recorded in
+``problems`` / ``listing_problems`` (reported by the views as findings), and the rest is shown.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.errors import KvstoreError, StoreFormatError
+from kvstore.errors import EntryKindError, KvstoreError, StoreFormatError
 from kvstore.identity import DType, GroupSpec, Identity
+from kvstore.io.fileio import describe_kind, describe_os_error, open_dir_nofollow
 from kvstore.keys import HASH_LO_BITS, chunk_key
 from kvstore.store import metadata
 from kvstore.store.format import ShardLayout
@@ -35,6 +45,57 @@ PATH_HEX_DIGITS = 17
 
 class InspectError(KvstoreError):
     """A request the inspection tool cannot answer: unknown namespace, ambiguous hash, ..."""
+
+
+def list_entries(
+    root: Path, parts: Sequence[str], problems: dict[str, str]
+) -> list[tuple[str, os.stat_result]]:
+    """``(name, lstat)`` of the entries of ``root/parts...``, entered without following a
+    link; [] when it is missing. A component that is not a real directory, or a directory that
+    cannot be listed, is recorded in ``problems`` (path -> why) and lists as empty."""
+    where = str(root.joinpath(*parts))
+    try:
+        fd = open_dir_nofollow(root, parts)
+    except FileNotFoundError:
+        return []
+    except EntryKindError as exc:
+        problems.setdefault(str(exc).split(":", 1)[0], f"{exc} (not entered)")
+        return []
+    except OSError as exc:
+        problems[where] = f"{where}: cannot list ({describe_os_error(exc)})"
+        return []
+    out: list[tuple[str, os.stat_result]] = []
+    try:
+        with os.scandir(fd) as it:
+            names = [e.name for e in it]
+        for name in names:
+            try:
+                out.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
+            except FileNotFoundError:
+                continue
+    except OSError as exc:
+        problems[where] = f"{where}: cannot list ({describe_os_error(exc)})"
+    finally:
+        os.close(fd)
+    return out
+
+
+def read_document(directory: Path) -> dict[str, object] | None:
+    """``metadata.read_document`` of a ``zarr.json`` that ``lstat`` shows is a regular file
+    (never opened otherwise: a FIFO would block); a :class:`StoreFormatError` naming what is
+    there instead."""
+    path = directory / metadata.ZARR_JSON
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StoreFormatError(f"{path}: cannot stat ({describe_os_error(exc)})") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreFormatError(
+            f"{path}: expected a regular file, got {describe_kind(st.st_mode)} (never opened)"
+        )
+    return metadata.read_document(directory)
 
 
 @dataclass(frozen=True)
@@ -69,6 +130,8 @@ class GroupView:
     leading_dims: int  # dimensions before the two hash dimensions
     problems: tuple[str, ...] = ()  # array document missing or not the one format v1 prescribes
     compression: str = "none"  # the array's inner-chunk compression (its zarr.json)
+    # path -> why, found while listing: unreadable directories, non-regular block names
+    listing_problems: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def is_mla(self) -> bool:
@@ -94,24 +157,38 @@ class GroupView:
     def fanout_dir(self, hash_hi: int) -> Path:
         return self.path.joinpath("c", *(["0"] * self.leading_dims), str(hash_hi))
 
+    def _fanout_parts(self, hash_hi: int) -> list[str]:
+        """``fanout_dir(hash_hi)`` as components below the store root."""
+        return [
+            self.path.parent.name,
+            self.path.name,
+            "c",
+            *(["0"] * self.leading_dims),
+            str(hash_hi),
+        ]
+
+    def _listing(self, hash_hi: int) -> list[tuple[str, os.stat_result]]:
+        return list_entries(
+            self.path.parent.parent, self._fanout_parts(hash_hi), self.listing_problems
+        )
+
     def files(self, fanouts: range | list[int] | None = None) -> list[BlockFile]:
-        """Published shard files (temporary files skipped), sorted by path coordinates."""
+        """Published shard files (temporary files skipped), sorted by path coordinates. A block
+        name that is not a regular file is never opened: it goes to :attr:`listing_problems`."""
         found: list[BlockFile] = []
         for hi in fanouts if fanouts is not None else range(256):
-            try:
-                entries = list(os.scandir(self.fanout_dir(hi)))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for entry in entries:
-                if not entry.name.isdigit():
+            directory = self.fanout_dir(hi)
+            for name, st in self._listing(hi):
+                if not name.isdigit():
                     continue
-                try:
-                    st = entry.stat()
-                except FileNotFoundError:
-                    continue  # removed while we listed
-                found.append(
-                    BlockFile(Path(entry.path), hi, int(entry.name), st.st_size, st.st_mtime_ns)
-                )
+                path = directory / name
+                if not stat.S_ISREG(st.st_mode):
+                    self.listing_problems[str(path)] = (
+                        f"{path}: expected a block file, got {describe_kind(st.st_mode)} "
+                        "(never opened)"
+                    )
+                    continue
+                found.append(BlockFile(path, hi, int(name), st.st_size, st.st_mtime_ns))
         found.sort(key=lambda f: (f.hash_hi, f.hash_lo))
         return found
 
@@ -119,11 +196,8 @@ class GroupView:
         """Leftover ``*.tmp-*`` files of interrupted writes."""
         out: list[Path] = []
         for hi in range(256):
-            try:
-                entries = list(os.scandir(self.fanout_dir(hi)))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            out.extend(Path(e.path) for e in entries if TMP_MARK in e.name)
+            directory = self.fanout_dir(hi)
+            out.extend(directory / name for name, _st in self._listing(hi) if TMP_MARK in name)
         return out
 
 
@@ -145,12 +219,12 @@ class NamespaceView:
         return self.groups[index]
 
     def quarantined(self) -> list[Path]:
-        """Files moved to ``quarantine/`` by servers that found them corrupt."""
+        """Files moved to ``quarantine/`` by servers that found them corrupt (a quarantine
+        that is not a real directory is not entered: it lists as empty)."""
         directory = self.path / QUARANTINE
-        try:
-            return sorted(Path(e.path) for e in os.scandir(directory) if e.is_file())
-        except FileNotFoundError:
-            return []
+        problems: dict[str, str] = {}
+        listed = list_entries(self.path.parent, [self.name, QUARANTINE], problems)
+        return sorted(directory / name for name, st in listed if stat.S_ISREG(st.st_mode))
 
 
 @dataclass
@@ -159,6 +233,8 @@ class StoreView:
 
     root: Path
     _namespaces: dict[str, NamespaceView] = field(default_factory=dict, repr=False)
+    # path -> why: namespace-like directories that cannot be read (found by namespace_names)
+    problems: dict[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, root: Path | str) -> StoreView:
@@ -167,7 +243,7 @@ class StoreView:
         if not path.is_dir():
             raise InspectError(f"store root {path}: expected a directory, got nothing there")
         try:
-            doc = metadata.read_document(path)
+            doc = read_document(path)
         except StoreFormatError as exc:
             raise InspectError(str(exc)) from None
         if doc is None:
@@ -181,12 +257,29 @@ class StoreView:
         return cls(path)
 
     def namespace_names(self) -> list[str]:
-        """Directory names holding a ``zarr.json``, sorted."""
-        return sorted(
-            e.name
-            for e in os.scandir(self.root)
-            if e.is_dir() and (Path(e.path) / metadata.ZARR_JSON).exists()
-        )
+        """Directory names holding a regular ``zarr.json``, sorted. Links are not followed;
+        a directory whose ``zarr.json`` is something else, or that cannot be read, is recorded
+        in :attr:`problems` instead."""
+        names = []
+        for name, st in list_entries(self.root, [], self.problems):
+            if name.startswith(".") or not stat.S_ISDIR(st.st_mode):
+                continue
+            doc = self.root / name / metadata.ZARR_JSON
+            try:
+                dst = os.lstat(doc)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                self.problems[str(doc)] = f"{doc}: cannot stat ({describe_os_error(exc)})"
+                continue
+            if stat.S_ISREG(dst.st_mode):
+                names.append(name)
+            else:
+                self.problems[str(doc)] = (
+                    f"{doc}: expected a regular file, got {describe_kind(dst.st_mode)} "
+                    "(never opened)"
+                )
+        return sorted(names)
 
     def namespace(self, name: str) -> NamespaceView:
         """The namespace in directory ``name`` (exact name; see :mod:`.resolve` for prefixes)."""
@@ -198,7 +291,7 @@ class StoreView:
 
 def _open_namespace(path: Path) -> NamespaceView:
     try:
-        doc = metadata.read_document(path)
+        doc = read_document(path)
     except StoreFormatError as exc:
         raise InspectError(str(exc)) from None
     if doc is None:
@@ -232,7 +325,7 @@ def _group_view(identity: Identity, ns_path: Path, index: int) -> GroupView:
     array_path = ns_path / f"g{index}"
     problems: list[str] = []
     try:
-        doc = metadata.read_document(array_path)
+        doc = read_document(array_path)
     except StoreFormatError as exc:
         doc, problems = None, [str(exc)]
     if doc is None and not problems:

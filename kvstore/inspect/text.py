@@ -25,6 +25,7 @@ def overview_text(doc: dict[str, Any]) -> list[str]:
         f"store {doc['root']}: {totals['namespaces']} namespace(s), {totals['blocks']} blocks, "
         f"{size(totals['bytes_on_disk'])} on disk"
     ]
+    lines += [f"  CANNOT READ: {p}" for p in doc.get("problems", [])]
     for ns in doc["namespaces"]:
         ident = ns["identity"]
         rev = f"@{ident['revision']}" if ident["revision"] else ""
