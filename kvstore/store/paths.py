@@ -24,6 +24,7 @@ a string concatenation (:meth:`ArrayPaths.block`): pathlib objects cost microsec
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -43,6 +44,8 @@ FANOUT = range(HASH_HI_FANOUT)  # the values of hash_hi: one fan-out directory e
 #: hex digits of the block hash that a shard file's path determines (70 bits -> 17 digits).
 PATH_HEX_DIGITS = 17
 
+# Opening a directory for listing: never through a symbolic link, never blocking.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _DECIMAL = re.compile(r"(0|[1-9][0-9]*)")
 _GROUP_DIR = re.compile(r"g(0|[1-9][0-9]*)")
 _TRAILING_NS = re.compile(r"-([0-9]+)$")
@@ -190,29 +193,52 @@ def list_blocks(directory: Path, hash_hi: int) -> Iterator[BlockFile]:
     Entries that vanish while listed (eviction, quarantine) are skipped, and so is a directory
     that is missing, not a directory, or unreadable. Links are never followed.
     """
-    for entry, st in _listing(directory):
-        lo = parse_lo(entry.name)
+    for name, st in _listing(directory):
+        lo = parse_lo(name)
         if lo is not None and stat.S_ISREG(st.st_mode):
-            yield BlockFile(Path(entry.path), hash_hi, lo, st.st_size, st.st_mtime_ns)
+            yield BlockFile(directory / name, hash_hi, lo, st.st_size, st.st_mtime_ns)
 
 
 def list_temps(directory: Path) -> Iterator[Path]:
     """The temporary block files (:func:`parse_temp_lo`) in fan-out directory ``directory``."""
-    for entry, st in _listing(directory):
-        if parse_temp_lo(entry.name) is not None and stat.S_ISREG(st.st_mode):
-            yield Path(entry.path)
+    for name, st in _listing(directory):
+        if parse_temp_lo(name) is not None and stat.S_ISREG(st.st_mode):
+            yield directory / name
 
 
-def _listing(directory: Path) -> list[tuple[os.DirEntry[str], os.stat_result]]:
+def list_dir(path: str | Path) -> list[tuple[str, os.stat_result]]:
+    """``(name, lstat)`` of every entry of directory ``path``, never following a link.
+
+    ``path`` itself is opened with ``O_NOFOLLOW | O_DIRECTORY | O_NONBLOCK``: a symbolic link,
+    FIFO or file there lists as empty (its parent's listing shows what it is), as does a
+    directory that is gone. Entries that vanish while listed are left out. Any other failure
+    (EACCES, EIO, ...) raises that ``OSError``.
+    """
     try:
-        with os.scandir(directory) as it:
-            entries = list(it)
-    except OSError:  # missing, not a directory, unreadable: nothing listed there
+        fd = os.open(path, _DIR_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    out = []
-    for entry in entries:
-        try:
-            out.append((entry, entry.stat(follow_symlinks=False)))
-        except OSError:
-            continue  # removed while we listed
-    return out
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symbolic link: not entered
+            return []
+        raise
+    try:
+        with os.scandir(fd) as it:
+            names = [entry.name for entry in it]
+        out = []
+        for name in names:
+            try:
+                out.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
+            except FileNotFoundError:
+                continue
+        return out
+    finally:
+        os.close(fd)
+
+
+def _listing(directory: Path) -> list[tuple[str, os.stat_result]]:
+    """:func:`list_dir`, a directory that cannot be listed counting as empty."""
+    try:
+        return list_dir(directory)
+    except OSError:
+        return []
