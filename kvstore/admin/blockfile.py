@@ -14,6 +14,7 @@ full hash comes from the header and is compared with the path's coordinates.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,8 +49,10 @@ def read_header(path: str) -> BlockHeader:
     Raises :class:`CorruptBlockError` for a bad header and ``OSError`` (FileNotFoundError when
     it vanished) for I/O failures.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open_regular(path)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptBlockError(f"{path}: expected a regular file, got {_kind(fd)}")
         raw = os.pread(fd, fmt.HEADER_FIXED_NBYTES, 0)
     finally:
         os.close(fd)
@@ -74,18 +77,19 @@ def check_block_file(
     compressed blocks are checked by :func:`~kvstore.store.compression.check_compressed_file`.
     """
     codec = Codec.for_name(compression, layout.itemsize)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    low, high = size_bounds(layout, compression)
+    fd = _open_regular(path)
     try:
-        size = os.fstat(fd).st_size
-        if codec is not None:
-            low, high = compressed_bounds(layout)
-            if not low <= size <= high:
-                kind = TRUNCATED if size < low else OVERSIZED
-                return BlockFault(kind, f"file size: expected {low}..{high}, got {size}")
-        elif size < layout.file_nbytes:
-            return BlockFault(TRUNCATED, f"file size: expected {layout.file_nbytes}, got {size}")
-        if size > layout.file_nbytes:
-            return BlockFault(OVERSIZED, f"file size: expected {layout.file_nbytes}, got {size}")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return BlockFault(CORRUPT, f"expected a regular file, got {_kind(fd)}")
+        size = st.st_size
+        if not low <= size <= high:
+            # Checked before reading, so a hostile file cannot make us allocate more than one
+            # block; the exact rules (header size, index) follow on the bytes.
+            expected = f"{low}" if low == high else f"{low}..{high}"
+            kind = TRUNCATED if size < low else OVERSIZED
+            return BlockFault(kind, f"file size: expected {expected}, got {size}")
         buf = bytearray(size)
         got = read_fully(DEFAULT_FILEIO, fd, [buf], 0)
     finally:
@@ -95,6 +99,34 @@ def check_block_file(
     if codec is not None:
         return _check_compressed(memoryview(buf), layout, codec, namespace_digest, group, hi, lo)
     return check_block_bytes(memoryview(buf), layout, namespace_digest, group, hi, lo)
+
+
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of ``path`` that cannot block: O_NONBLOCK makes the open of a
+    FIFO return at once (it changes nothing for a regular file), and the callers then refuse
+    anything that is not a regular file before reading."""
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+
+
+def _kind(fd: int) -> str:
+    mode = os.fstat(fd).st_mode
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO")):
+        if test(mode):
+            return name
+    return f"file type {stat.S_IFMT(mode):o}"
+
+
+def size_bounds(layout: ShardLayout, compression: str) -> tuple[int, int]:
+    """(smallest, largest) size of a valid block file of an array with ``compression``.
+
+    A raw block file has exactly ``layout.file_nbytes``. A compressed one lies within
+    :func:`~kvstore.store.compression.compressed_bounds`: smaller when its chunks compress, and
+    up to 16 bytes per chunk *larger* when they do not (blosc stores an incompressible chunk
+    with its header), so the raw size is no bound for it.
+    """
+    if Codec.for_name(compression, layout.itemsize) is None:
+        return layout.file_nbytes, layout.file_nbytes
+    return compressed_bounds(layout)
 
 
 def _placed_header(

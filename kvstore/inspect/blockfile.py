@@ -168,8 +168,9 @@ def _check_compressed(
     expect_hash: bytes | None,
     data: np.ndarray | None,
 ) -> BlockCheck:
-    """:func:`check_block` for a block of a compressed array (read whole; chunks decoded into
-    ``data`` when it is given and their stored bytes verify)."""
+    """:func:`check_block` for a block of a compressed array (read whole). Every chunk whose
+    stored bytes verify is also decoded (into ``data`` when it is given), as a reader would:
+    a chunk that does not decode is a problem even when its checksum matches."""
     layout = group.layout
     low, high = compressed_bounds(layout)
     try:
@@ -200,6 +201,7 @@ def _check_compressed(
             problems.append(str(exc))
     states: list[ChunkCheck] = []
     size_c = layout.chunk_nbytes
+    scratch = memoryview(bytearray(size_c))
     for i, c in enumerate(wanted):
         head, layer = chunk_head_layer(group, c)
         stored_sum = int(slots[c]) if slots is not None else None
@@ -212,9 +214,10 @@ def _check_compressed(
             state = ChunkState.UNWRITTEN
         else:
             state = ChunkState.OK if computed == stored_sum else ChunkState.MISMATCH
-        if state is ChunkState.OK and data is not None:
+        if state is ChunkState.OK:
+            out = scratch if data is None else data[i * size_c : (i + 1) * size_c].data
             try:
-                codec.decompress_into(stored, data[i * size_c : (i + 1) * size_c].data)
+                codec.decompress_into(stored, out)
             except CorruptBlockError as exc:
                 problems.append(f"inner chunk {c}: {exc}")
         states.append(ChunkCheck(c, head, layer, state, stored_sum, computed))
