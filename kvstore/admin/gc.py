@@ -305,14 +305,16 @@ def _remove_for_real(store: StoreRoot, findings: list[dict[str, str]]) -> EvictF
                 )
             except HeldDirectoryError as exc:
                 no_trash.add(block.namespace)
-                findings.append(
-                    {
-                        "kind": "trash-unusable",
-                        "path": str(paths[block.namespace] / TRASH),
-                        "detail": f"{exc}; evicted blocks of this namespace are deleted "
-                        "directly (kvstore verify --fix removes the entry)",
-                    }
-                )
+                trash_path = str(paths[block.namespace] / TRASH)
+                if all(f["path"] != trash_path for f in findings):  # else reported by the scan
+                    findings.append(
+                        {
+                            "kind": "trash-unusable",
+                            "path": trash_path,
+                            "detail": f"{exc}; evicted blocks of this namespace are deleted "
+                            "directly (kvstore verify --fix removes the entry)",
+                        }
+                    )
             else:
                 return Evicted.REMOVED if moved else Evicted.GONE
         try:

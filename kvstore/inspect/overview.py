@@ -17,7 +17,7 @@ from typing import Any
 
 from kvstore.admin.blockfile import size_bounds
 from kvstore.inspect.blockfile import check_block
-from kvstore.inspect.source import GroupView, NamespaceView, StoreView
+from kvstore.inspect.source import GroupView, InspectError, NamespaceView, StoreView
 
 
 def group_summary(group: GroupView, check: bool) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def group_summary(group: GroupView, check: bool) -> dict[str, Any]:
         "temp_files": len(group.temp_files()),
         "oldest_mtime_ns": min((f.mtime_ns for f in files), default=None),
         "newest_mtime_ns": max((f.mtime_ns for f in files), default=None),
-        "problems": list(group.problems),
+        "problems": [*group.problems, *group.listing_problems.values()],
         "damaged": None,
     }
     if check:
@@ -66,12 +66,19 @@ def namespace_summary(ns: NamespaceView, check: bool) -> dict[str, Any]:
 
 
 def store_summary(store: StoreView, check: bool = False) -> dict[str, Any]:
-    """The ``overview`` document of a whole store (JSON-ready)."""
-    namespaces = [namespace_summary(store.namespace(n), check) for n in store.namespace_names()]
+    """The ``overview`` document of a whole store (JSON-ready). A namespace that cannot be
+    read is listed under ``problems`` and the others are shown."""
+    namespaces = []
+    for name in store.namespace_names():
+        try:
+            namespaces.append(namespace_summary(store.namespace(name), check))
+        except InspectError as exc:
+            store.problems[str(store.root / name)] = str(exc)
     groups = [g for ns in namespaces for g in ns["groups"]]
     return {
         "root": str(store.root),
         "checked": check,
+        "problems": list(store.problems.values()),
         "namespaces": namespaces,
         "totals": {
             "namespaces": len(namespaces),
@@ -85,7 +92,7 @@ def store_summary(store: StoreView, check: bool = False) -> dict[str, Any]:
 
 def findings(summary: dict[str, Any]) -> int:
     """How many things in an overview deserve attention (0 = clean)."""
-    count = 0
+    count = len(summary.get("problems", []))
     for ns in summary["namespaces"]:
         count += len(ns["problems"])
         for g in ns["groups"]:
