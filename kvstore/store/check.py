@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from kvstore.checksum import Checksum, checksum_function, checksum_tensor_rows
-from kvstore.errors import CorruptBlockError, StoreFormatError
+from kvstore.errors import CorruptBlockError, EntryKindError, StoreFormatError
 from kvstore.io.fileio import DEFAULT_FILEIO, describe_os_error, read_fully
 from kvstore.keys import hash_coords
 from kvstore.store import format as fmt
@@ -53,6 +53,7 @@ CORRUPT = "corrupt"  # bad magic / version / header crc / geometry / index / che
 MIS_KEYED = "mis-keyed"  # a valid block stored under another hash's name
 MISPLACED = "misplaced"  # a valid block of another namespace or group
 UNREADABLE = "unreadable"  # could not be opened or read (BlockCheck.error says why)
+# (Another kind of entry at a block name - FIFO, directory, device - is CORRUPT: never a block.)
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,9 @@ def check_file(
             else describe_os_error(exc)
         )
         unread = tuple(_chunk(layout, c, ChunkState.TRUNCATED, None, None) for c in wanted)
-        fault = Fault(UNREADABLE, f"cannot open: {reason}")
+        # Another kind of entry at a block name (FIFO, directory, ...) is never a block.
+        kind = CORRUPT if isinstance(exc, EntryKindError) else UNREADABLE
+        fault = Fault(kind, f"cannot open: {reason}")
         return BlockCheck(path, -1, None, (fault,), unread, error=exc), data
     view = memoryview(raw)
     faults = _size_faults(spec, size)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.errors import CorruptBlockError
+from kvstore.errors import CorruptBlockError, EntryKindError
 from kvstore.identity import Identity
 from kvstore.keys import hash_coords
 from kvstore.store import check
@@ -160,7 +160,8 @@ def test_unreadable_entries_are_faults_not_errors(
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)  # an open that could block: never attempted
     result, _ = check_file(fifo, spec)
-    assert result.fault is not None and result.fault.kind == check.UNREADABLE
+    assert result.fault is not None and result.fault.kind == check.CORRUPT
+    assert "FIFO" in result.fault.detail and isinstance(result.error, EntryKindError)
     header, fault = quick_check(fifo, spec)
     assert header is None and fault is not None and fault.kind == check.UNREADABLE
     with pytest.raises(ValueError, match="chunk numbers"):
