@@ -17,8 +17,9 @@ The ``0`` levels are the array's dimensions before the two hash dimensions
 ``lo`` are the block hash's chunk coordinates (:func:`kvstore.keys.hash_coords`): one fan-out
 directory per value of ``hi`` (:data:`FANOUT`), one file per block in it.
 
-This module only computes and parses names, and lists fan-out directories (:func:`list_blocks`
-and :func:`list_temps`: read-only, never following a link). The block path of the hot path is
+This module only computes and parses names, and lists directories: :func:`list_dir` is the one
+listing every tool goes through (never following a link, never blocking), :func:`list_blocks`
+and :func:`list_temps` the walk of the fan-out directories. The block path of the hot path is
 a string concatenation (:meth:`ArrayPaths.block`): pathlib objects cost microseconds per block.
 """
 
@@ -32,6 +33,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.errors import EntryKindError
+from kvstore.io.fileio import describe_kind, describe_os_error, open_dir_nofollow
 from kvstore.keys import HASH_HI_FANOUT, HASH_LO_BITS, hash_coords
 
 ZARR_JSON = "zarr.json"
@@ -43,6 +46,7 @@ REMOVED_PREFIX = ".trash-"  # <root>/.trash-<ns>-<time_ns>: a namespace being re
 FANOUT = range(HASH_HI_FANOUT)  # the values of hash_hi: one fan-out directory each
 #: hex digits of the block hash that a shard file's path determines (70 bits -> 17 digits).
 PATH_HEX_DIGITS = 17
+Problems = dict[str, str]  # path -> why it could not be listed or used (the tools report these)
 
 # Opening a directory for listing: never through a symbolic link, never blocking.
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -173,51 +177,85 @@ class ArrayPaths:
         """Absolute path of the shard file at chunk coordinates ``(hash_hi, hash_lo)``."""
         return f"{self.prefix}{hash_hi}{os.sep}{hash_lo}"
 
-    def list_blocks(self, fanouts: Iterable[int] = FANOUT) -> Iterator[BlockFile]:
+    def list_blocks(
+        self,
+        fanouts: Iterable[int] = FANOUT,
+        *,
+        root: Path | None = None,
+        problems: Problems | None = None,
+    ) -> Iterator[BlockFile]:
         """Published shard files of the fan-out directories ``fanouts``, in their order
         (within one directory: listing order). See :func:`list_blocks`."""
         for hi in fanouts:
-            yield from list_blocks(self.fanout_dir(hi), hi)
+            yield from list_blocks(self.fanout_dir(hi), hi, root=root, problems=problems)
 
-    def list_temps(self, fanouts: Iterable[int] = FANOUT) -> Iterator[Path]:
+    def list_temps(
+        self,
+        fanouts: Iterable[int] = FANOUT,
+        *,
+        root: Path | None = None,
+        problems: Problems | None = None,
+    ) -> Iterator[Path]:
         """Temporary block files of the fan-out directories ``fanouts``."""
         for hi in fanouts:
-            yield from list_temps(self.fanout_dir(hi))
+            yield from list_temps(self.fanout_dir(hi), root=root, problems=problems)
 
 
-def list_blocks(directory: Path, hash_hi: int) -> Iterator[BlockFile]:
+def list_blocks(
+    directory: Path, hash_hi: int, *, root: Path | None = None, problems: Problems | None = None
+) -> Iterator[BlockFile]:
     """The published shard files in fan-out directory ``directory`` (of ``hash_hi``).
 
-    Only regular files whose name is a block name (:func:`parse_lo`) count: temporary files,
-    links, directories and anything else are not blocks (``kvstore verify`` reports them).
-    Entries that vanish while listed (eviction, quarantine) are skipped, and so is a directory
-    that is missing, not a directory, or unreadable. Links are never followed.
+    Only regular files whose name is a block name (:func:`parse_lo`) count: temporary files and
+    other names are not blocks (``kvstore verify`` reports them); a block name holding a link,
+    FIFO, directory or device is never opened and goes to ``problems``, as does a directory
+    that cannot be listed (see :func:`list_dir` for ``root``). Entries that vanish while
+    listed (eviction, quarantine) are skipped.
     """
-    for name, st in _listing(directory):
+    for name, st in _listing(directory, root, problems):
         lo = parse_lo(name)
-        if lo is not None and stat.S_ISREG(st.st_mode):
+        if lo is None:
+            continue
+        if stat.S_ISREG(st.st_mode):
             yield BlockFile(directory / name, hash_hi, lo, st.st_size, st.st_mtime_ns)
+        elif problems is not None:
+            problems[str(directory / name)] = (
+                f"{directory / name}: expected a block file, got {describe_kind(st.st_mode)} "
+                "(never opened)"
+            )
 
 
-def list_temps(directory: Path) -> Iterator[Path]:
+def list_temps(
+    directory: Path, *, root: Path | None = None, problems: Problems | None = None
+) -> Iterator[Path]:
     """The temporary block files (:func:`parse_temp_lo`) in fan-out directory ``directory``."""
-    for name, st in _listing(directory):
+    for name, st in _listing(directory, root, problems):
         if parse_temp_lo(name) is not None and stat.S_ISREG(st.st_mode):
             yield directory / name
 
 
-def list_dir(path: str | Path) -> list[tuple[str, os.stat_result]]:
+def list_dir(
+    path: str | Path, *, root: str | Path | None = None
+) -> list[tuple[str, os.stat_result]]:
     """``(name, lstat)`` of every entry of directory ``path``, never following a link.
 
-    ``path`` itself is opened with ``O_NOFOLLOW | O_DIRECTORY | O_NONBLOCK``: a symbolic link,
-    FIFO or file there lists as empty (its parent's listing shows what it is), as does a
-    directory that is gone. Entries that vanish while listed are left out. Any other failure
-    (EACCES, EIO, ...) raises that ``OSError``.
+    Without ``root``, ``path`` is opened with ``O_NOFOLLOW | O_DIRECTORY | O_NONBLOCK``: a
+    symbolic link, FIFO or file there lists as empty (its parent's listing shows what it is).
+    With ``root`` (a directory above ``path``), every component below ``root`` is entered
+    without following a link (:func:`~kvstore.io.fileio.open_dir_nofollow`), and one that is
+    not a real directory raises :class:`~kvstore.errors.EntryKindError` naming it. Either way
+    a missing directory lists as empty and entries that vanish while listed are left out; any
+    other failure (EACCES, EIO, ...) raises that ``OSError``. Every tool lists through here.
     """
     try:
-        fd = os.open(path, _DIR_FLAGS)
+        if root is None:
+            fd = os.open(path, _DIR_FLAGS)
+        else:
+            fd = open_dir_nofollow(root, Path(path).relative_to(root).parts)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    except EntryKindError:
+        raise
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # a symbolic link: not entered
             return []
@@ -236,9 +274,17 @@ def list_dir(path: str | Path) -> list[tuple[str, os.stat_result]]:
         os.close(fd)
 
 
-def _listing(directory: Path) -> list[tuple[str, os.stat_result]]:
-    """:func:`list_dir`, a directory that cannot be listed counting as empty."""
+def _listing(
+    directory: Path, root: Path | None, problems: Problems | None
+) -> list[tuple[str, os.stat_result]]:
+    """:func:`list_dir`; a directory that cannot be listed counts as empty (and is recorded in
+    ``problems`` when given)."""
     try:
-        return list_dir(directory)
-    except OSError:
-        return []
+        return list_dir(directory, root=root)
+    except EntryKindError as exc:
+        if problems is not None:
+            problems.setdefault(str(exc).split(":", 1)[0], f"{exc} (not entered)")
+    except OSError as exc:
+        if problems is not None:
+            problems[str(directory)] = f"{directory}: cannot list ({describe_os_error(exc)})"
+    return []

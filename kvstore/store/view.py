@@ -11,7 +11,8 @@ Contract: nothing here writes, creates, moves or touches anything. What is read:
 each namespace's ``zarr.json`` (its identity), each array's ``zarr.json`` (its compression, and
 on request whether it is the document format v1 prescribes), and directory listings
 (:mod:`kvstore.store.paths`). A hostile tree is normal input: directories are listed without
-following links (:func:`~kvstore.store.paths.list_dir`), a ``zarr.json`` is read only when
+following links (:func:`kvstore.store.paths.list_dir`, called through its module so that tests
+can inject listing failures there), a ``zarr.json`` is read only when
 ``lstat`` says it is a regular file in a real directory. Block contents are checked by
 :mod:`kvstore.store.check`.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -33,17 +35,18 @@ from typing import Any
 
 from kvstore.errors import KvstoreError, StoreFormatError
 from kvstore.identity import DType, GroupSpec, Identity
-from kvstore.store import metadata
+from kvstore.store import metadata, paths
 from kvstore.store.check import ShardSpec
 from kvstore.store.codec import Codec
 from kvstore.store.format import ShardLayout
 from kvstore.store.paths import (
+    FANOUT,
     QUARANTINE,
     ZARR_JSON,
     ArrayPaths,
     BlockFile,
+    Problems,
     array_dir,
-    list_dir,
 )
 
 
@@ -73,6 +76,8 @@ class GroupView:
     # Reading the array document failed, or its compression is not one kvstore knows.
     document_error: str | None = field(default=None, compare=False)
     identity: Identity | None = field(default=None, compare=False, repr=False)
+    # path -> why, found while listing: unreadable directories, non-regular block names.
+    listing_problems: Problems = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_mla(self) -> bool:
@@ -113,17 +118,26 @@ class GroupView:
     def fanout_dir(self, hash_hi: int) -> Path:
         return self.paths.fanout_dir(hash_hi)
 
-    def files(self, fanouts: range | list[int] | None = None) -> list[BlockFile]:
-        """Published shard files (temporary files skipped), sorted by path coordinates."""
+    @property
+    def store_root(self) -> Path:
+        return self.path.parent.parent
+
+    def files(self, fanouts: Iterable[int] = FANOUT) -> list[BlockFile]:
+        """Published shard files (temporary files skipped), sorted by path coordinates.
+
+        Every directory is entered from the store root without following a link; a block name
+        that is not a regular file is never opened, and a directory that cannot be listed is
+        skipped: both go to :attr:`listing_problems`.
+        """
         found = list(
-            self.paths.list_blocks() if fanouts is None else self.paths.list_blocks(fanouts)
+            self.paths.list_blocks(fanouts, root=self.store_root, problems=self.listing_problems)
         )
         found.sort(key=lambda f: (f.hash_hi, f.hash_lo))
         return found
 
     def temp_files(self) -> list[Path]:
         """Leftover temporary files of interrupted writes."""
-        return list(self.paths.list_temps())
+        return list(self.paths.list_temps(root=self.store_root, problems=self.listing_problems))
 
     @cached_property
     def document_problem(self) -> str | None:
@@ -180,12 +194,14 @@ class NamespaceView:
         return self.groups[index]
 
     def quarantined(self) -> list[Path]:
-        """Files moved to ``quarantine/`` by servers that found them corrupt."""
+        """Files moved to ``quarantine/`` by servers that found them corrupt (a quarantine
+        that is not a real directory is not entered: it lists as empty)."""
+        directory = self.path / QUARANTINE
         try:
-            listed = list_dir(self.path / QUARANTINE)
+            listed = paths.list_dir(directory, root=self.path.parent)
         except OSError:
             return []
-        return sorted(self.path / QUARANTINE / n for n, st in listed if stat.S_ISREG(st.st_mode))
+        return sorted(directory / name for name, st in listed if stat.S_ISREG(st.st_mode))
 
 
 class StoreView:
@@ -225,7 +241,7 @@ class StoreView:
     @cached_property
     def _read(self) -> tuple[dict[str, NamespaceView], tuple[Problem, ...]]:
         try:
-            listed = list_dir(self.root)
+            listed = paths.list_dir(self.root)
         except OSError as exc:
             raise StoreFormatError(
                 f"store root {self.root}: cannot list ({exc.strerror or exc})"

@@ -60,3 +60,24 @@ def test_array_paths_and_listing_skip_what_is_not_a_block(tmp_path: Path) -> Non
     assert found[0].path_hex == h.hex()[: paths.PATH_HEX_DIGITS]
     assert [p.name for p in array.list_temps()] == [f".{lo}.tmp-ab"]
     assert list(array.list_blocks([hi + 1 if hi < 255 else 0])) == []
+
+
+def test_listing_reports_what_it_cannot_use(tmp_path: Path) -> None:
+    array = ArrayPaths(tmp_path / "ns" / "g0", 1)
+    good = array.fanout_dir(1)
+    good.mkdir(parents=True)
+    os.mkfifo(good / "5")  # a block name holding a FIFO: never opened
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "c" / "0" / "2").mkdir(parents=True)
+    (elsewhere / "c" / "0" / "2" / "9").write_bytes(b"x")
+    (tmp_path / "other" / "g0").mkdir(parents=True)
+    (tmp_path / "other" / "g0" / "c").symlink_to(elsewhere / "c")
+    problems: paths.Problems = {}
+    assert list(array.list_blocks([1], root=tmp_path, problems=problems)) == []
+    assert list(problems) == [str(good / "5")] and "FIFO" in problems[str(good / "5")]
+    linked = ArrayPaths(tmp_path / "other" / "g0", 1)
+    problems = {}
+    assert list(linked.list_blocks([2], root=tmp_path, problems=problems)) == []
+    (why,) = problems.values()  # the link below the root is named, never followed
+    assert "expected a directory, got a symbolic link" in why
+    assert [f.hash_lo for f in linked.list_blocks([2])] == [9]  # without a root: only the last
