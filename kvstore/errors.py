@@ -32,6 +32,9 @@ class BlockError(KvstoreError):
     """A block file cannot be served. The page store reports these as misses."""
 
     reason = "bad block"
+    # (st_dev, st_ino) of the file that was read, when one was: the page store quarantines
+    # that file and no other (the name may hold a good copy published since).
+    file_id: tuple[int, int] | None = None
 
 
 class BlockMissingError(BlockError):

@@ -30,7 +30,10 @@ Contract (:class:`Engine`):
 * ``read_file(path, segments, file_nbytes, touch_if_older_than_ns, allow_trailer, direct)``
   fills segments from a published file after checking its size: missing ->
   :class:`~kvstore.errors.BlockMissingError`, wrong size or short read ->
-  :class:`~kvstore.errors.CorruptBlockError`; mtime is refreshed when older than the bound.
+  :class:`~kvstore.errors.CorruptBlockError` (carrying the file's identity); not a regular
+  file -> :class:`~kvstore.errors.EntryKindError`, without blocking on a FIFO; mtime is
+  refreshed when older than the bound. Returns the identity (device, inode) of the file read,
+  so that a block found corrupt is quarantined only while its name still holds that file.
 * ``close()``, ``describe()`` (one line), ``name``, ``config``, ``fio``, ``direct`` (the O_DIRECT
   probe outcome).
 
@@ -51,7 +54,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from kvstore.config import StoreConfig
-from kvstore.io.fileio import FileIO
+from kvstore.io.fileio import FileId, FileIO
 from kvstore.io.types import DirectIOProbe, Segment
 
 T = TypeVar("T")
@@ -94,7 +97,7 @@ class Engine(Protocol):
         *,
         allow_trailer: bool = False,
         direct: bool = False,
-    ) -> None: ...
+    ) -> FileId: ...
 
     def close(self) -> None: ...
 
@@ -129,7 +132,7 @@ class DeviceEngine(Engine, Protocol):
         *,
         allow_trailer: bool = False,
         direct: bool = False,
-    ) -> None: ...
+    ) -> FileId: ...
 
 
 def device_engine(engine: Engine) -> DeviceEngine | None:

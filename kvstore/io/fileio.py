@@ -29,10 +29,10 @@ import fcntl
 import os
 import stat
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvstore.errors import EntryKindError
+from kvstore.errors import CorruptBlockError, EntryKindError
 
 # Linux's IOV_MAX; os.sysconf may not know it everywhere.
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
@@ -65,6 +65,18 @@ def describe_kind(mode: int) -> str:
         if test(mode):
             return words
     return f"an entry of unknown type {stat.S_IFMT(mode):#o}"
+
+
+@contextlib.contextmanager
+def corrupt_file_is(st: os.stat_result) -> Iterator[None]:
+    """A :class:`~kvstore.errors.CorruptBlockError` raised inside names the file ``st``
+    describes (``file_id``): what a reader found corrupt is that file, and only that file may
+    be quarantined for it, whatever the name holds by then."""
+    try:
+        yield
+    except CorruptBlockError as exc:
+        exc.file_id = file_id(st)
+        raise
 
 
 def not_regular(path: str | os.PathLike[str], mode: int) -> EntryKindError:
@@ -255,7 +267,20 @@ class FileIO:
         :class:`~kvstore.errors.EntryKindError` (descriptor closed) when ``path`` holds anything
         but a regular file (FIFO, socket, device, directory). The one ``fstat`` is the one a
         reader needs anyway (size check, mtime, identity): no extra system call."""
-        fd = self.open(path, flags)
+        try:
+            fd = self.open(path, flags)
+        except OSError as exc:
+            # ELOOP: O_NOFOLLOW met a symbolic link; ENXIO: a socket (or a device without a
+            # driver). Said in words: the lstat costs nothing on the path that succeeds.
+            if exc.errno not in (errno.ELOOP, errno.ENXIO):
+                raise
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                raise exc from None
+            if stat.S_ISREG(mode):
+                raise
+            raise not_regular(path, mode) from None
         try:
             st = self.fstat(fd)
         except BaseException:

@@ -42,7 +42,15 @@ from kvstore.io.align import ALIGN, align_up
 from kvstore.io.cufile import CuFileHandle, CuFiles, IOFuture
 from kvstore.io.device import DeviceOps
 from kvstore.io.engine import AnySegment, Data
-from kvstore.io.fileio import DEFAULT_FILEIO, FileIO, read_fully, write_fully
+from kvstore.io.fileio import (
+    DEFAULT_FILEIO,
+    FileId,
+    FileIO,
+    corrupt_file_is,
+    file_id,
+    read_fully,
+    write_fully,
+)
 from kvstore.io.host import HostEngine
 from kvstore.io.newfile import plan_new_file
 from kvstore.io.staging import DeviceStaging
@@ -199,10 +207,10 @@ class GdsEngine(HostEngine):
         *,
         allow_trailer: bool = False,
         direct: bool = False,
-    ) -> None:
+    ) -> FileId:
         host = _host_only(segments)
         if host is not None:
-            super().read_file(
+            return super().read_file(
                 path,
                 host,
                 file_nbytes,
@@ -210,44 +218,44 @@ class GdsEngine(HostEngine):
                 allow_trailer=allow_trailer,
                 direct=direct,
             )
-            return
         try:
-            fd = self.fio.open(path, os.O_RDONLY)
+            fd, st = self.fio.open_regular(path, os.O_RDONLY)
         except FileNotFoundError:
             raise BlockMissingError(path) from None
         handle: CuFileHandle | None = None
         try:
-            st = self.fio.fstat(fd)
-            if st.st_size != file_nbytes and not (allow_trailer and st.st_size > file_nbytes):
-                raise CorruptBlockError(
-                    f"file size: expected {file_nbytes} bytes, got {st.st_size}"
-                )
-            for offset, data in segments:
-                if not isinstance(data, torch.Tensor):
-                    self._read_host(fd, data, offset)
-                    continue
-                head, middle, tail = _split(offset, data.numel())
-                if head[1]:
-                    self._read_bounced(fd, data, 0, head[1], offset)
-                if middle[1]:
-                    if handle is None:
-                        handle = self._open_same(path, fd, "r")
-                    piece = data[middle[0] - offset : middle[0] - offset + middle[1]]
-                    got = handle.pread(piece, middle[1], middle[0]).get()
-                    if got != middle[1]:
-                        raise CorruptBlockError(
-                            f"short read at {middle[0]}: expected {middle[1]}, got {got}"
-                        )
-                if tail[1]:
-                    self._read_bounced(fd, data, tail[0] - offset, tail[1], tail[0])
-            if st.st_mtime_ns < touch_if_older_than_ns:
-                with contextlib.suppress(OSError):
-                    self.fio.touch(fd)
+            with corrupt_file_is(st):
+                if st.st_size != file_nbytes and not (allow_trailer and st.st_size > file_nbytes):
+                    raise CorruptBlockError(
+                        f"file size: expected {file_nbytes} bytes, got {st.st_size}"
+                    )
+                for offset, data in segments:
+                    if not isinstance(data, torch.Tensor):
+                        self._read_host(fd, data, offset)
+                        continue
+                    head, middle, tail = _split(offset, data.numel())
+                    if head[1]:
+                        self._read_bounced(fd, data, 0, head[1], offset)
+                    if middle[1]:
+                        if handle is None:
+                            handle = self._open_same(path, fd, "r")
+                        piece = data[middle[0] - offset : middle[0] - offset + middle[1]]
+                        got = handle.pread(piece, middle[1], middle[0]).get()
+                        if got != middle[1]:
+                            raise CorruptBlockError(
+                                f"short read at {middle[0]}: expected {middle[1]}, got {got}"
+                            )
+                    if tail[1]:
+                        self._read_bounced(fd, data, tail[0] - offset, tail[1], tail[0])
+                if st.st_mtime_ns < touch_if_older_than_ns:
+                    with contextlib.suppress(OSError):
+                        self.fio.touch(fd)
         finally:
             if handle is not None:
                 handle.close()
             self.fio.close(fd)
         self.ops.synchronize(self.device)  # bounced copies into device memory are complete
+        return file_id(st)
 
     def _read_host(self, fd: int, data: memoryview, offset: int) -> None:
         got = read_fully(self.fio, fd, [data], offset)

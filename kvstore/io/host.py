@@ -43,7 +43,10 @@ from kvstore.io.buffers import ThreadStaging, aligned_buffer, is_aligned
 from kvstore.io.fileio import (
     DEFAULT_FILEIO,
     O_DIRECT,
+    FileId,
     FileIO,
+    corrupt_file_is,
+    file_id,
     filesystem_type,
     read_fully,
     write_fully,
@@ -227,37 +230,44 @@ class HostEngine:
         *,
         allow_trailer: bool = False,
         direct: bool = False,
-    ) -> None:
-        """Fill ``segments`` from published file ``path`` of expected size ``file_nbytes``.
+    ) -> FileId:
+        """Fill ``segments`` from published file ``path`` of expected size ``file_nbytes``;
+        returns the identity (device, inode) of the file read.
 
-        Raises :class:`BlockMissingError` if it does not exist and :class:`CorruptBlockError`
-        if its size is wrong (``allow_trailer``: shorter) or a read comes back short. If the
-        file's mtime is older than ``touch_if_older_than_ns`` it is set to now after the read:
-        mtime is the block's last use, which eviction orders by (atime cannot be trusted under
-        relatime/noatime). A read-only store simply keeps its old times. ``direct``: open with
-        O_DIRECT (every segment must then be 4 KiB aligned in offset, length and address).
+        Raises :class:`BlockMissingError` if it does not exist,
+        :class:`~kvstore.errors.EntryKindError` if it is not a regular file (a FIFO is never
+        waited on: :meth:`FileIO.open_regular`) and :class:`CorruptBlockError`, carrying the
+        file's identity, if its size is wrong (``allow_trailer``: shorter) or a read comes back
+        short. If the file's mtime is older than ``touch_if_older_than_ns`` it is set to now
+        after the read: mtime is the block's last use, which eviction orders by (atime cannot
+        be trusted under relatime/noatime). A read-only store simply keeps its old times.
+        ``direct``: open with O_DIRECT (every segment must then be 4 KiB aligned in offset,
+        length and address).
         """
         try:
-            fd = self.fio.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+            fd, st = self.fio.open_regular(path, os.O_RDONLY | (O_DIRECT if direct else 0))
         except FileNotFoundError:
             raise BlockMissingError(path) from None
         try:
-            st = self.fio.fstat(fd)
-            if st.st_size != file_nbytes and not (allow_trailer and st.st_size > file_nbytes):
-                raise CorruptBlockError(
-                    f"file size: expected {file_nbytes} bytes, got {st.st_size}"
-                )
-            for offset, buffers in _coalesce(segments):
-                want = sum(len(b) for b in buffers)
-                got = read_fully(self.fio, fd, buffers, offset)
-                if got != want:
-                    raise CorruptBlockError(f"short read at {offset}: expected {want}, got {got}")
-            if st.st_mtime_ns < touch_if_older_than_ns:
-                # A read-only mount or foreign owner: last-use tracking is best effort.
-                with contextlib.suppress(OSError):
-                    self.fio.touch(fd)
+            with corrupt_file_is(st):
+                if st.st_size != file_nbytes and not (allow_trailer and st.st_size > file_nbytes):
+                    raise CorruptBlockError(
+                        f"file size: expected {file_nbytes} bytes, got {st.st_size}"
+                    )
+                for offset, buffers in _coalesce(segments):
+                    want = sum(len(b) for b in buffers)
+                    got = read_fully(self.fio, fd, buffers, offset)
+                    if got != want:
+                        raise CorruptBlockError(
+                            f"short read at {offset}: expected {want}, got {got}"
+                        )
+                if st.st_mtime_ns < touch_if_older_than_ns:
+                    # A read-only mount or foreign owner: last-use tracking is best effort.
+                    with contextlib.suppress(OSError):
+                        self.fio.touch(fd)
         finally:
             self.fio.close(fd)
+        return file_id(st)
 
     def close(self) -> None:
         if not self._closed:

@@ -70,7 +70,7 @@ from kvstore.checksum import checksum_function, crc32c
 from kvstore.config import check_compression
 from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError, KvstoreError
 from kvstore.io.buffers import ThreadStaging
-from kvstore.io.fileio import read_fully
+from kvstore.io.fileio import FileId, corrupt_file_is, read_fully
 from kvstore.store import format as fmt
 from kvstore.store.format import ShardLayout
 from kvstore.store.types import PendingBlock
@@ -266,8 +266,9 @@ class CompressedShards:
         final: str,
         pending: PendingBlock,
         slot_writes: Sequence[Segment] = (),
-    ) -> None:
-        """Compress the complete raw temporary file of a multi-writer block and publish it.
+    ) -> FileId | None:
+        """Compress the complete raw temporary file of a multi-writer block and publish it;
+        returns what :meth:`GroupStore.publish_name` returns.
 
         ``slot_writes`` are the checksum slots the committer computed for range-written chunks.
         Every chunk is checked against its slot, so bytes torn between the writers and the
@@ -305,13 +306,14 @@ class CompressedShards:
         )
         try:
             self.group.engine.write_file(packed_tmp, segments, file_nbytes, exclusive=True)
-            self._fio.rename(packed_tmp, final)
+            published = self.group.publish_name(packed_tmp, final)
         except BaseException:
             with contextlib.suppress(OSError):
                 self._fio.unlink(packed_tmp)
             raise
         with contextlib.suppress(OSError):
             self._fio.unlink(raw_tmp)
+        return published
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -324,15 +326,32 @@ class CompressedShards:
         verify: bool,
         touch_if_older_than_ns: int = 0,
     ) -> None:
-        """Read, verify and decompress ``chunks`` of the block at ``path`` into ``out``."""
+        """Read, verify and decompress ``chunks`` of the block at ``path`` into ``out``.
+
+        A :class:`CorruptBlockError` names the file read (``file_id``): it alone may be
+        quarantined. A name that is not a regular file: :class:`EntryKindError`, never a wait.
+        """
+        try:
+            fd, st = self._fio.open_regular(path)
+        except FileNotFoundError:
+            raise BlockMissingError(path) from None
+        with corrupt_file_is(st):
+            self._read_verified(fd, st, block_hash, chunks, out, verify, touch_if_older_than_ns)
+
+    def _read_verified(
+        self,
+        fd: int,
+        st: os.stat_result,
+        block_hash: bytes,
+        chunks: Sequence[int],
+        out: memoryview,
+        verify: bool,
+        touch_if_older_than_ns: int,
+    ) -> None:
+        """:meth:`read` on the open descriptor ``fd`` (closed here)."""
         layout = self.layout
         fio = self._fio
         try:
-            fd = fio.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise BlockMissingError(path) from None
-        try:
-            st = fio.fstat(fd)
             size = st.st_size
             if not self.min_file <= size <= self.max_file:
                 raise CorruptBlockError(
@@ -389,11 +408,11 @@ class CompressedShards:
         fio = self._fio
         header = bytearray(layout.header_nbytes)
         try:
-            fd = fio.open(path, os.O_RDONLY)
+            fd, st = fio.open_regular(path)
         except FileNotFoundError:
             raise BlockMissingError(path) from None
         try:
-            size = fio.fstat(fd).st_size
+            size = st.st_size
             if not self.min_file <= size <= self.max_file:
                 raise CorruptBlockError(
                     f"file size: expected {self.min_file}..{self.max_file} bytes, got {size}"

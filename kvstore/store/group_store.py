@@ -51,11 +51,17 @@ from kvstore.checksum import (
     checksum_id,
     checksum_tensor_rows,
 )
-from kvstore.errors import BlockMissingError, CorruptBlockError, KvstoreError, StoreFormatError
+from kvstore.errors import (
+    BlockMissingError,
+    CorruptBlockError,
+    EntryKindError,
+    KvstoreError,
+    StoreFormatError,
+)
 from kvstore.identity import GroupSpec
 from kvstore.io.buffers import ThreadStaging, is_aligned
 from kvstore.io.engine import AnySegment, Data, Engine, device_engine
-from kvstore.io.fileio import sync_parents
+from kvstore.io.fileio import FileId, file_id, move_if_same, remove_if_same, sync_parents
 from kvstore.io.staging import HostStaging, Staging
 from kvstore.io.types import Segment
 from kvstore.keys import check_hash, chunk_key
@@ -100,6 +106,9 @@ def final_path_of(temp: str) -> str:
     directory, name = os.path.split(temp)
     return os.path.join(directory, name[1 : name.rindex(TMP_MARK)])
 
+
+# A publish step's outcome: status, the directory to sync, the identity of the file published.
+_Published = tuple[WriteStatus, str | None, FileId | None]
 
 SLOW_PROBE_S = 50e-6  # an existence probe slower than this is a network round trip
 MAX_RANGE_WRITERS = 4096  # completion-marker bytes a pending file may carry past its end
@@ -273,22 +282,34 @@ class GroupStore:
             raise
         return tmp
 
-    def _publish(self, staged: str | BaseException | None) -> tuple[WriteStatus, str | None]:
+    def _publish(self, staged: str | BaseException | None) -> _Published:
         """Second pass of :meth:`write_blocks`: sync a written temporary file, then give it
         its name (never replacing one: FileIO.rename)."""
         if isinstance(staged, BaseException):
             raise staged  # the first pass failed: reported as this block's result
         if staged is None:
-            return WriteStatus.EXISTS, None
+            return WriteStatus.EXISTS, None, None
         final = final_path_of(staged)
         try:
             if self.engine.config.durable:
                 self._sync_file(staged)
-            self._fio.rename(staged, final)
+            published = self.publish_name(staged, final)
         except BaseException:
             self._remove_quietly(staged)
             raise
-        return WriteStatus.WRITTEN, os.path.dirname(final)
+        return WriteStatus.WRITTEN, os.path.dirname(final), published
+
+    def publish_name(self, tmp: str, final: str) -> FileId | None:
+        """Give the complete temporary file ``tmp`` the name ``final`` (never replacing one).
+
+        Returns the identity of the file published when the store is durable: if the
+        directory sync then fails, :meth:`_finish_writes` withdraws that file - and only that
+        file, not a copy someone else published under the name since. One ``lstat`` of a name
+        only this writer knows, on a path that syncs the file and its directory anyway.
+        """
+        published = file_id(self._fio.lstat_at(None, tmp)) if self.engine.config.durable else None
+        self._fio.rename(tmp, final)
+        return published
 
     def _sync_file(self, path: str) -> None:
         """fdatasync a file written (unsynced) earlier in the batch."""
@@ -396,14 +417,15 @@ class GroupStore:
 
     def _finish_writes(
         self,
-        results: Sequence[tuple[WriteStatus, str | None] | BaseException],
+        results: Sequence[_Published | BaseException],
         hashes: Sequence[bytes],
     ) -> list[WriteResult]:
         """Fsync the directories of published blocks (once each), count, log failures."""
         out: list[WriteResult] = []
         dirs: set[str] = set()
         failures: list[str] = []
-        for result, block_hash in zip(results, hashes, strict=True):
+        published: dict[int, FileId | None] = {}
+        for i, (result, block_hash) in enumerate(zip(results, hashes, strict=True)):
             if isinstance(result, FileExistsError) and result.filename2 == self.path_of(block_hash):
                 # The publishing rename found the block there: another process or node
                 # published it since our existence check (FileIO.rename never replaces).
@@ -414,9 +436,10 @@ class GroupStore:
                 failures.append(f"{_short(block_hash)} ({message})")
                 out.append(WriteResult(WriteStatus.FAILED, message))
                 continue
-            status, directory = result
+            status, directory, identity = result
             if status is WriteStatus.WRITTEN and directory is not None:
                 dirs.add(directory)
+            published[i] = identity
             out.append(WriteResult(status))
         if dirs and self.engine.config.durable:
             ordered = sorted(dirs)
@@ -433,7 +456,7 @@ class GroupStore:
                 for i, block_hash in enumerate(hashes):
                     path = self.path_of(block_hash)
                     if out[i].status is WriteStatus.WRITTEN and os.path.dirname(path) in bad_dirs:
-                        self._remove_quietly(path)
+                        self._withdraw(path, published.get(i))
                         out[i] = WriteResult(WriteStatus.FAILED, message)
                 failures.append(message)
         written = sum(r.status is WriteStatus.WRITTEN for r in out)
@@ -453,6 +476,14 @@ class GroupStore:
                 failures[0],
             )
         return out
+
+    def _withdraw(self, path: str, published: FileId | None) -> None:
+        """Remove the file this process published at ``path``, if the name still holds it
+        (another node may have removed it and published its own copy meanwhile)."""
+        if published is None:
+            return  # not durable: no directory sync, nothing withdrawn
+        with contextlib.suppress(OSError):
+            remove_if_same(self._fio, None, path, published)
 
     # -- multi-writer protocol ----------------------------------------------------------------
 
@@ -586,27 +617,27 @@ class GroupStore:
         results = self.engine.map(self._commit_one, items)
         return self._finish_writes(results, [p.block_hash for p in pendings])
 
-    def _commit_one(
-        self, item: tuple[PendingBlock, Sequence[int], int]
-    ) -> tuple[WriteStatus, str | None]:
+    def _commit_one(self, item: tuple[PendingBlock, Sequence[int], int]) -> _Published:
         pending, chunks, range_writers = item
         tmp = self.temp_path(pending)
         final = self.path_of(pending.block_hash)
         try:
             if self._fio.exists(final):
                 self._remove_quietly(tmp)
-                return WriteStatus.EXISTS, None
+                return WriteStatus.EXISTS, None, None
             slot_writes = self._complete_checksums(tmp, pending, chunks, range_writers)
             if self._compressed is not None:  # writers wrote raw chunks: compress, then publish
                 packed = temp_path_for(final, uuid.uuid4().hex[:16])
-                self._compressed.publish_from_raw(tmp, packed, final, pending, slot_writes)
-                return WriteStatus.WRITTEN, os.path.dirname(final)
+                published = self._compressed.publish_from_raw(
+                    tmp, packed, final, pending, slot_writes
+                )
+                return WriteStatus.WRITTEN, os.path.dirname(final), published
             self.engine.finish_file(tmp, self.layout.file_nbytes, slot_writes)
-            self._fio.rename(tmp, final)
+            published = self.publish_name(tmp, final)
         except BaseException:
             self._remove_quietly(tmp)
             raise
-        return WriteStatus.WRITTEN, os.path.dirname(final)
+        return WriteStatus.WRITTEN, os.path.dirname(final), published
 
     def _complete_checksums(
         self, tmp: str, pending: PendingBlock, chunks: Sequence[int], range_writers: int
@@ -722,6 +753,7 @@ class GroupStore:
         if self._compressed is not None:
             assert isinstance(out, memoryview)
             path = self.path_of(block_hash)
+            # CorruptBlockError carries the identity of the file read (CompressedShards.read)
             self._compressed.read(path, block_hash, chunks, out, self._verify, touch_before)
             if device_out is not None:
                 device_out[:need].copy_(torch.frombuffer(out, dtype=torch.uint8)[:need])
@@ -738,18 +770,27 @@ class GroupStore:
         segments.sort(key=lambda s: s[0])
         host = _host_segments(segments)
         path = self.path_of(block_hash)
+        read_id: FileId
         if host is None:
             assert self._device_engine is not None
-            self._device_engine.read_file(path, segments, layout.file_nbytes, touch_before)
+            read_id = self._device_engine.read_file(
+                path, segments, layout.file_nbytes, touch_before
+            )
         else:
             direct = self._direct_reads and all(
                 offset % fmt.ALIGN == 0 and is_aligned(data) for offset, data in host
             )
-            self.engine.read_file(path, host, layout.file_nbytes, touch_before, direct=direct)
-        decoded = fmt.decode_header(header)
-        check_header_for(decoded, self, block_hash)
-        if self._verify:
-            self._verify_chunks(decoded.checksum_algo, header, chunks, out)
+            read_id = self.engine.read_file(
+                path, host, layout.file_nbytes, touch_before, direct=direct
+            )
+        try:
+            decoded = fmt.decode_header(header)
+            check_header_for(decoded, self, block_hash)
+            if self._verify:
+                self._verify_chunks(decoded.checksum_algo, header, chunks, out)
+        except CorruptBlockError as exc:
+            exc.file_id = read_id  # quarantine this file, not whatever has the name later
+            raise
         if device_out is not None:
             device_out[:need].copy_(torch.frombuffer(out, dtype=torch.uint8)[:need])
         return need
@@ -809,10 +850,12 @@ class GroupStore:
     def _read_failure(self, exc: BaseException, block_hash: bytes) -> ReadResult:
         if isinstance(exc, BlockMissingError):
             return ReadResult(ReadStatus.MISS)
-        if isinstance(exc, ValueError | KvstoreError) and not isinstance(exc, CorruptBlockError):
+        if isinstance(exc, ValueError | KvstoreError) and not isinstance(
+            exc, CorruptBlockError | OSError
+        ):
             raise exc  # a caller bug (bad buffer, bad hash), not a block problem
         if isinstance(exc, CorruptBlockError):
-            where = self._quarantine(block_hash)
+            where = self._quarantine(block_hash, exc.file_id)
             log.warning(
                 "kvstore: block %s of %s/g%d is corrupt (%s); served as a miss, %s",
                 _short(block_hash),
@@ -831,24 +874,67 @@ class GroupStore:
         )
         return ReadResult(ReadStatus.ERROR, str(exc))
 
-    def _quarantine(self, block_hash: bytes) -> str:
+    def _quarantine(self, block_hash: bytes, read_id: FileId | None) -> str:
+        """Move the corrupt file that was read (``read_id``) out of the block's name, into
+        ``<namespace>/quarantine``; the words for the log line say what happened.
+
+        Every directory on the way is entered without following a symbolic link
+        (:func:`~kvstore.io.fileio.open_dir_nofollow`, from the store root), and the rename
+        goes between those open directories: a link planted at ``quarantine`` (or anywhere
+        above the block) never takes the file out of the root. If ``quarantine`` is not a real
+        directory the file is removed instead (it is never served either way). The file is
+        moved only while the name still holds the file read (:func:`move_if_same`): another
+        reader or ``verify --fix`` may have removed it and a writer re-published a good copy.
+        """
         path = self.path_of(block_hash)
         if self.read_only:
             return "left in place (store opened read-only)"
-        if self._quarantine_dir is None:
-            self._remove_quietly(path)
-            return "removed"
-        hi, lo = os.path.basename(os.path.dirname(path)), os.path.basename(path)
-        name = f"g{self.index}-{hi}-{lo}-{time.time_ns()}"
-        target = self._quarantine_dir / name
+        if read_id is None:  # an engine that does not say what it read: touch nothing
+            return "left in place (the file read is not known)"
+        fanout = os.path.dirname(path)
+        name = os.path.basename(path)
+        qdir = self._quarantine_dir
+        root = self.array_path.parent.parent  # <root>/<namespace>/g<k>
+        parts = os.path.relpath(fanout, root).split(os.sep)
         try:
-            self._fio.makedirs(str(self._quarantine_dir), self.engine.config.dir_mode)
-            self._fio.rename(path, str(target))
+            src_fd = self._fio.open_dir(root, parts)
         except FileNotFoundError:
             return "already gone"
+        except (OSError, ValueError) as exc:
+            return f"left in place (cannot enter {fanout}: {exc})"
+        try:
+            if qdir is None:
+                return self._outcome(remove_if_same(self._fio, src_fd, name, read_id), None)
+            target = f"g{self.index}-{os.path.basename(fanout)}-{name}-{time.time_ns()}"
+            try:
+                q_fd = self._fio.open_dir(
+                    qdir.parent.parent,
+                    [qdir.parent.name, qdir.name],
+                    create_mode=self.engine.config.dir_mode,
+                )
+            except (EntryKindError, OSError) as exc:
+                outcome = remove_if_same(self._fio, src_fd, name, read_id)
+                return f"{self._outcome(outcome, None)}: cannot quarantine ({exc})"
+            try:
+                outcome = move_if_same(self._fio, src_fd, name, q_fd, target, read_id)
+            finally:
+                self._fio.close(q_fd)
+            return self._outcome(outcome, qdir / target)
         except OSError as exc:
             return f"could not quarantine ({exc})"
-        return f"quarantined as {target}"
+        finally:
+            self._fio.close(src_fd)
+
+    @staticmethod
+    def _outcome(outcome: str, target: Path | None) -> str:
+        """Log words for a :func:`move_if_same` / :func:`remove_if_same` outcome."""
+        if outcome == "moved":
+            return f"quarantined as {target}"
+        if outcome == "gone":
+            return "already gone"
+        if outcome == "replaced":
+            return "left in place (the name holds another file since the read)"
+        return outcome  # "removed"
 
     def read_header(self, block_hash: bytes) -> tuple[BlockHeader, np.ndarray]:
         """The verified header and checksum slots of a published block (for tools)."""

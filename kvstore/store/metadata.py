@@ -9,8 +9,10 @@ namespace at once write identical bytes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from zarr.storage import MemoryStore
 from kvstore.config import COMPRESSION_NAME
 from kvstore.errors import StoreFormatError
 from kvstore.identity import GroupSpec, Identity
-from kvstore.io.fileio import FileIO, sync_parents, write_fully
+from kvstore.io.fileio import FileIO, describe_kind, describe_os_error, sync_parents, write_fully
 from kvstore.store.compression import Codec
 from kvstore.store.format import FORMAT_VERSION, ShardLayout
 
@@ -159,14 +161,19 @@ def read_document(directory: Path) -> dict[str, Any] | None:
     """
     path = directory / ZARR_JSON
     try:
-        # O_NOFOLLOW: a zarr.json planted as a symbolic link is refused, not followed.
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            text = f.read(MAX_DOCUMENT_BYTES + 1)
+        # O_NOFOLLOW: a zarr.json planted as a symbolic link is refused, not followed;
+        # O_NONBLOCK: one planted as a FIFO is refused at once (fstat), never waited on.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise StoreFormatError(f"{path}: cannot read ({exc})") from exc
+        raise _unreadable(path, exc) from exc
+    try:
+        text = _read_regular(fd, path)
+    except OSError as exc:
+        raise _unreadable(path, exc) from exc
+    finally:
+        os.close(fd)
     if len(text) > MAX_DOCUMENT_BYTES:
         raise StoreFormatError(
             f"{path}: expected a zarr.json of at most {MAX_DOCUMENT_BYTES} bytes, got a larger one"
@@ -180,6 +187,35 @@ def read_document(directory: Path) -> dict[str, Any] | None:
     if not isinstance(doc, dict) or doc.get("zarr_format") != 3:
         raise StoreFormatError(f"{path}: expected a zarr v3 document (zarr_format 3)")
     return doc
+
+
+def _read_regular(fd: int, path: Path) -> bytes:
+    """Up to ``MAX_DOCUMENT_BYTES + 1`` bytes of the open regular file ``fd``."""
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        raise StoreFormatError(
+            f"{path}: expected a zarr v3 document (a regular file), got {describe_kind(mode)}"
+        )
+    chunks: list[bytes] = []
+    remaining = MAX_DOCUMENT_BYTES + 1
+    while remaining:
+        piece = os.read(fd, remaining)
+        if not piece:
+            break
+        chunks.append(piece)
+        remaining -= len(piece)
+    return b"".join(chunks)
+
+
+def _unreadable(path: Path, exc: OSError) -> StoreFormatError:
+    """A format error naming ``path`` (an OSError from a descriptor call names the descriptor
+    number instead: ``[Errno 21] Is a directory: 3``)."""
+    if exc.errno == errno.ELOOP:
+        return StoreFormatError(
+            f"{path}: expected a zarr v3 document, got a symbolic link (kvstore follows no "
+            "links below its root)"
+        )
+    return StoreFormatError(f"{path}: cannot read ({describe_os_error(exc)})")
 
 
 def array_compression(doc: dict[str, Any], where: Path | str) -> str:

@@ -157,11 +157,13 @@ class KVStore:
         return self.namespace(identity, create=False, adopt_compression=True)
 
     def namespace_names(self) -> list[str]:
-        """Directory names of the namespaces in this store, sorted."""
+        """Directory names of the namespaces in this store, sorted: real directories holding
+        a regular ``zarr.json`` (no symbolic link followed, nothing opened)."""
         return sorted(
             entry.name
             for entry in os.scandir(self.root)
-            if entry.is_dir() and (Path(entry.path) / metadata.ZARR_JSON).exists()
+            if entry.is_dir(follow_symlinks=False)
+            and _is_regular(Path(entry.path) / metadata.ZARR_JSON)
         )
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -271,6 +273,13 @@ def _refuse_symlinks(root: Path, directory: Path) -> None:
                 f"{current}: a symbolic link inside the store; kvstore follows no links below "
                 "its root (move or link the whole root instead)"
             )
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _leftover(name: str) -> bool:

@@ -4,14 +4,13 @@
 * no symbolic link below the root is followed when a directory is entered or created;
 * a file is moved or removed only while it is still the file that was read.
 
-Each open that could block runs in a thread with a deadline, so a regression fails the test
-instead of hanging the suite.
+Each open that could block runs under ``finishes`` (a deadline), so a regression fails the
+test instead of hanging the suite.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,30 +20,7 @@ import pytest
 from kvstore.errors import EntryKindError
 from kvstore.io import fileio
 from kvstore.io.fileio import FileIO, file_id, move_if_same, open_dir_nofollow, remove_if_same
-
-DEADLINE_S = 10.0
-
-
-def finishes(fn: Callable[[], Any]) -> Any:
-    """``fn()``'s result or exception; fails the test if it does not return in time (a
-    blocked ``open`` of a FIFO is left behind in a daemon thread)."""
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(("ok", fn()))
-        except BaseException as exc:  # handed back to the test
-            outcome.append(("raised", exc))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(DEADLINE_S)
-    if thread.is_alive():
-        pytest.fail(f"blocked for {DEADLINE_S} s (an open that waits on a FIFO?)")
-    kind, value = outcome[0]
-    if kind == "raised":
-        raise value
-    return value
+from tests.store.test_hostile_store import finishes
 
 
 def test_open_of_a_fifo_does_not_block(tmp_path: Path) -> None:
