@@ -372,11 +372,14 @@ def header_faults(
 def read_header(path: str | Path) -> tuple[BlockHeader, int]:
     """The self-checked fixed header (magic, version, crc) of a block file and the file's size.
 
-    One small read; never sets the file's mtime. :class:`CorruptBlockError` for a bad header,
-    ``OSError`` for I/O failures (FileNotFoundError when it vanished,
-    :class:`~kvstore.errors.EntryKindError` when it is not a regular file).
+    One small read; never sets the file's mtime. :class:`CorruptBlockError` for a bad header
+    and for anything but a regular file (a FIFO, a directory: never opened, never a block),
+    ``OSError`` for I/O failures (FileNotFoundError when it vanished).
     """
-    fd, st = DEFAULT_FILEIO.open_regular(str(path))
+    try:
+        fd, st = DEFAULT_FILEIO.open_regular(str(path))
+    except EntryKindError as exc:
+        raise CorruptBlockError(str(exc)) from None
     try:
         raw = os.pread(fd, fmt.HEADER_FIXED_NBYTES, 0)
     finally:

@@ -163,6 +163,8 @@ def test_unreadable_entries_are_faults_not_errors(
     assert result.fault is not None and result.fault.kind == check.CORRUPT
     assert "FIFO" in result.fault.detail and isinstance(result.error, EntryKindError)
     header, fault = quick_check(fifo, spec)
+    assert header is None and fault is not None and fault.kind == check.CORRUPT
+    header, fault = quick_check(tmp_path / "absent", spec)
     assert header is None and fault is not None and fault.kind == check.UNREADABLE
     with pytest.raises(ValueError, match="chunk numbers"):
         check_file(fifo, spec, chunks=[group.layout.num_chunks])
