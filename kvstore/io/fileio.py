@@ -175,14 +175,18 @@ def rename_noreplace_at(src_dir_fd: int | None, src: str, dst_dir_fd: int | None
 
 
 def open_dir_nofollow(
-    root: str | os.PathLike[str], parts: Sequence[str], *, create_mode: int | None = None
+    root: str | os.PathLike[str],
+    parts: Sequence[str],
+    *,
+    create_mode: int | None = None,
+    created: list[str] | None = None,
 ) -> int:
     """A descriptor of the directory ``root/parts[0]/.../parts[-1]``, entered one component at
     a time with ``O_NOFOLLOW``: no symbolic link below ``root`` is followed (``root`` itself
     may be one, as a store root may). Never blocks (``O_NONBLOCK``, ``O_DIRECTORY``).
 
-    ``create_mode``: missing components are created with this mode (their parents are not
-    synced: for directories whose loss a power cut may cause, such as quarantine and trash).
+    ``create_mode``: missing components are created with this mode; their paths are appended
+    to ``created`` when given (for :func:`sync_parents`: this function syncs nothing).
     Raises :class:`~kvstore.errors.EntryKindError` naming the first component that is not a
     real directory (a link, a file, a FIFO...), ``FileNotFoundError`` when one is missing and
     not created, ``ValueError`` for a component that is not one plain name. The caller closes
@@ -199,8 +203,13 @@ def open_dir_nofollow(
             except FileNotFoundError:
                 if create_mode is None:
                     raise
-                with contextlib.suppress(FileExistsError):
+                try:
                     os.mkdir(part, create_mode, dir_fd=fd)
+                except FileExistsError:
+                    pass  # created meanwhile: checked like any other by the open below
+                else:
+                    if created is not None:
+                        created.append(where)
                 child = _open_child_dir(fd, part, where)
             os.close(fd)
             fd = child
@@ -340,10 +349,14 @@ class FileIO:
         os.unlink(name, dir_fd=dir_fd)
 
     def open_dir(
-        self, root: str | os.PathLike[str], parts: Sequence[str], create_mode: int | None = None
+        self,
+        root: str | os.PathLike[str],
+        parts: Sequence[str],
+        create_mode: int | None = None,
+        created: list[str] | None = None,
     ) -> int:
         """:func:`open_dir_nofollow` (a descriptor; the caller closes it)."""
-        return open_dir_nofollow(root, parts, create_mode=create_mode)
+        return open_dir_nofollow(root, parts, create_mode=create_mode, created=created)
 
     def rename(self, src: str, dst: str) -> None:
         """Atomically give ``src`` the name ``dst``; ``dst`` must not exist (FileExistsError).

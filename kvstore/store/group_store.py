@@ -387,10 +387,22 @@ class GroupStore:
                     f"namespace {self.namespace} was removed from the store (no {self.array_path}"
                     "/zarr.json); reopen the store to recreate it"
                 ) from None
-            created = self._fio.makedirs(os.path.dirname(path), self.engine.config.dir_mode)
+            # Recreated from the root without following a link: one planted where a fan-out
+            # directory was must not receive block files (with their prompts) elsewhere.
+            created: list[str] = []
+            self._fio.close(self._open_chain(os.path.dirname(path), created))
             if self.engine.config.durable:
                 sync_parents(self._fio, created)
             self._engine_write(path, segments, size, exclusive, sync)
+
+    def _open_chain(self, directory: str, created: list[str] | None = None) -> int:
+        """A descriptor of ``directory`` (below the store root), entered from the root with no
+        link followed (:func:`~kvstore.io.fileio.open_dir_nofollow`); missing directories are
+        created (and listed in ``created``) when ``created`` is given."""
+        root = self.array_path.parent.parent  # <root>/<namespace>/g<k>
+        parts = os.path.relpath(directory, root).split(os.sep)
+        mode = None if created is None else self.engine.config.dir_mode
+        return self._fio.open_dir(root, parts, mode, created)
 
     def _engine_write(
         self, path: str, segments: Sequence[AnySegment], size: int, exclusive: bool, sync: bool
@@ -894,10 +906,8 @@ class GroupStore:
         fanout = os.path.dirname(path)
         name = os.path.basename(path)
         qdir = self._quarantine_dir
-        root = self.array_path.parent.parent  # <root>/<namespace>/g<k>
-        parts = os.path.relpath(fanout, root).split(os.sep)
         try:
-            src_fd = self._fio.open_dir(root, parts)
+            src_fd = self._open_chain(fanout)
         except FileNotFoundError:
             return "already gone"
         except (OSError, ValueError) as exc:

@@ -204,6 +204,10 @@ class Namespace:
         identity = self.identity
         spec = identity.groups[index]
         array_path = self.path / f"g{index}"
+        # Before anything is read or created there: a link at g<k> (or below) would send the
+        # array's documents and blocks out of the root.
+        root = self.store.root
+        _refuse_symlinks(root, array_path)
         doc = metadata.read_document(array_path)
         config = self.store.config
         compression = config.compression
@@ -243,15 +247,15 @@ class Namespace:
             compression=compression,
             staging=self.store.staging,
         )
+        _refuse_symlinks(root, group.fanout_dir(0).parent)
+        for hi in range(256):
+            _refuse_symlinks(group.fanout_dir(hi).parent, group.fanout_dir(hi))
         if created:  # pre-create the fan-out so block writes never mkdir
             made: list[str] = []
             for hi in range(256):
                 made += self.store.fio.makedirs(str(group.fanout_dir(hi)), config.dir_mode)
             if config.durable:
                 sync_parents(self.store.fio, made)
-        _refuse_symlinks(self.store.root, group.fanout_dir(0).parent)
-        for hi in range(256):
-            _refuse_symlinks(group.fanout_dir(hi).parent, group.fanout_dir(hi))
         return group
 
 

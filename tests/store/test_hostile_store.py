@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -419,3 +420,37 @@ def test_store_opens_through_a_linked_root(tmp_path: Path, make_store: StoreFact
     _corrupt(group.path_of(h))
     assert _read(group, h)[0] is ReadStatus.CORRUPT
     assert len(list((real / make_small_identity().namespace / QUARANTINE).iterdir())) == 1
+
+
+# -- item 2: directories the store creates -----------------------------------------------------
+
+
+def test_lost_fanout_is_not_recreated_through_a_link(
+    group: GroupStore, outside: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A link planted above a fan-out directory that then goes missing: the writer recreates
+    the fan-out from the root without following it, and fails the write instead of putting
+    the block (prompts) outside the root."""
+    h = block_hash(13, "hostile")
+    above = group.fanout_dir(h[0]).parent  # g0/c/0/0/0/0/0
+    for child in above.iterdir():
+        child.rmdir()
+    above.rmdir()
+    above.symlink_to(outside, target_is_directory=True)
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        (result,) = group.write_blocks([BlockWrite(h, block_bytes(group.layout, 13))])
+    assert result.status is WriteStatus.FAILED and "symbolic link" in result.error
+    assert list(outside.iterdir()) == []
+
+
+def test_array_directory_link_is_refused_before_anything_is_created(
+    make_store: StoreFactory, root: Path, outside: Path
+) -> None:
+    identity = make_small_identity()
+    ns = make_store().namespace(identity)
+    array = ns.path / "g0"
+    shutil.rmtree(array)
+    array.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(StoreFormatError, match="symbolic link"):
+        make_store().namespace(identity)
+    assert list(outside.iterdir()) == []
