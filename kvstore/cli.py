@@ -16,14 +16,14 @@ from pathlib import Path
 
 from kvstore import demo
 from kvstore.admin import commands as admin_commands
-from kvstore.cli_args import positive_int
+from kvstore.cli_args import OneLineParser, positive_int
 from kvstore.errors import KvstoreError
 from kvstore.layout.parallel import ParallelLayout
 from kvstore.models import model_names
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvstore",
         description="Persistent KV-cache store for LLM inference (zarr v3 on a filesystem).",
     )

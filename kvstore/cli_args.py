@@ -1,8 +1,20 @@
-"""Argument types shared by the command-line front-ends (kvstore, kvstore-inspect)."""
+"""Argument parsing shared by the command-line front-ends (kvstore, kvstore-inspect)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr, exit status 2.
+
+    The message names the argument, what was expected and what arrived; the usage block
+    argparse would print first is left to ``--help`` (subcommand parsers inherit the class).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def positive_int(text: str) -> int:

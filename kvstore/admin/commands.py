@@ -13,13 +13,13 @@ from pathlib import Path
 from kvstore.admin import du, gc, ls, rm, verify
 from kvstore.admin.sizes import parse_duration, parse_size
 from kvstore.admin.trash import DEFAULT_GRACE_S
-from kvstore.cli_args import positive_int
+from kvstore.cli_args import OneLineParser, positive_int
 
 COMMANDS = ("ls", "du", "verify", "gc", "rm")
 JSON_HELP = "print JSON for machines instead of the table"
 
 
-def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     """Register ls, du, verify, gc, rm on the ``kvstore`` command's subparsers."""
     root_help = "store directory"
     p_ls = sub.add_parser(
@@ -92,7 +92,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--watch", action="store_true", help="keep the store within budget until SIGINT/SIGTERM"
     )
     g.add_argument(
-        "--interval", type=_duration, default=10.0, help="seconds between --watch passes (10)"
+        "--interval",
+        type=_positive_duration,
+        default=10.0,
+        help="time between --watch passes, > 0 (default: 10s)",
     )
     g.add_argument("--max-passes", type=positive_int, help="stop --watch after this many passes")
     g.add_argument("--json", action="store_true", help=JSON_HELP)
@@ -129,6 +132,13 @@ def _duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_duration(text: str) -> float:
+    seconds = _duration(text)
+    if seconds <= 0:  # 0 would spin: a pass after a pass without a pause
+        raise argparse.ArgumentTypeError(f"expected a duration > 0, got {text!r}")
+    return seconds
 
 
 def _fraction(text: str) -> float:

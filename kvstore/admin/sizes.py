@@ -7,10 +7,15 @@ are powers of 1024 (as in ``du``, ``truncate -s``, ``sort -h``); ``KB MB GB TB P
 
 Durations (:func:`parse_duration`): a plain number is seconds; otherwise one or more
 ``<number><unit>`` terms with units ``s m h d w`` (``7d``, ``12h``, ``1h30m``, ``0.5d``).
+
+Both reject what no operator means and what would only fail later, after the command has
+started acting (``kvstore rm --grace inf`` must not unpublish the namespace and then crash):
+negative, infinite and NaN values, and values past :data:`MAX_SIZE` / :data:`MAX_DURATION_S`.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from datetime import UTC, datetime
@@ -20,6 +25,13 @@ _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 _TERM = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([smhdw])", re.IGNORECASE)
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+# Largest accepted values. 100 years is far beyond any retention, and well inside what
+# time.sleep, threading waits and nanosecond timestamps (int64 up to 2262) can take;
+# 1 EiB is far beyond any store.
+MAX_DURATION_S = 100 * 365 * 86400.0
+MAX_SIZE = 1 << 60
+_DURATION_EXPECTED = "expected a duration like 7d, 12h, 1h30m or seconds"
 
 
 def parse_size(text: str) -> int:
@@ -33,30 +45,40 @@ def parse_size(text: str) -> int:
     # "10GB": decimal; "10G", "10GiB": binary; "10i" is rejected above.
     factor = _DECIMAL[prefix] if (prefix and b and not binary) else _BINARY[prefix]
     value = float(number) * factor
+    if not value <= MAX_SIZE:  # also inf (a number of 400 digits)
+        raise ValueError(f"expected a size of at most 1 EiB ({MAX_SIZE} bytes), got {text!r}")
     return int(value)
 
 
 def parse_duration(text: str) -> float:
-    """Seconds of a duration such as ``7d``, ``12h``, ``1h30m``, ``90`` (seconds)."""
+    """Seconds of a duration such as ``7d``, ``12h``, ``1h30m``, ``90`` (seconds).
+
+    ValueError for anything else, including negative, infinite or NaN values (``-3``, ``inf``,
+    ``nan``, ``1e400``) and durations over :data:`MAX_DURATION_S`.
+    """
     stripped = text.strip()
     try:
         seconds = float(stripped)
     except ValueError:
-        pass
-    else:
-        if not seconds >= 0:  # negative or NaN
-            raise ValueError(f"expected a duration >= 0, got {text!r}")
-        return seconds
+        seconds = _sum_of_terms(stripped.replace(" ", ""), text)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{_DURATION_EXPECTED} (finite, >= 0), got {text!r}")
+    if seconds > MAX_DURATION_S:
+        raise ValueError(f"{_DURATION_EXPECTED}, at most 100 years, got {text!r}")
+    return seconds
+
+
+def _sum_of_terms(compact: str, text: str) -> float:
+    """Seconds of ``<number><unit>`` terms back to back (``1h30m``); ValueError otherwise."""
     pos = 0
     total = 0.0
-    compact = stripped.replace(" ", "")
     for m in _TERM.finditer(compact):
         if m.start() != pos:
             break
         total += float(m.group(1)) * _SECONDS[m.group(2).lower()]
         pos = m.end()
     if not compact or pos != len(compact):
-        raise ValueError(f"expected a duration like 7d, 12h, 1h30m or seconds, got {text!r}")
+        raise ValueError(f"{_DURATION_EXPECTED}, got {text!r}")
     return total
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.cli_args import positive_int
+from kvstore.cli_args import OneLineParser, positive_int
 from kvstore.errors import KvstoreError
 from kvstore.inspect import block as block_view
 from kvstore.inspect import diff as diff_view
@@ -55,16 +55,24 @@ PROG = "kvstore-inspect"
 # -- arguments -------------------------------------------------------------------------------
 
 
+MAX_PIXELS = 16384  # per side: the canvas of a larger picture would not fit in memory
+
+
 def _pixels(text: str) -> tuple[int, int]:
+    """argparse type: ``WIDTHxHEIGHT``, each side at most MAX_PIXELS (the drawing module
+    enforces its own minimum)."""
+    expected = f"expected WIDTHxHEIGHT in pixels, each at most {MAX_PIXELS}, got {text!r}"
     try:
         w, h = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT in pixels, got {text!r}") from None
+        raise argparse.ArgumentTypeError(expected) from None
+    if not (0 < w <= MAX_PIXELS and 0 < h <= MAX_PIXELS):
+        raise argparse.ArgumentTypeError(expected)
     return w, h
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG,
         description="Look inside a kvstore directory (read only; no engine, no GPU needed).",
     )

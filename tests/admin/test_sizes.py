@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.admin.sizes import format_size, iso_time, parse_duration, parse_size
+from kvstore.admin.sizes import (
+    MAX_DURATION_S,
+    format_size,
+    iso_time,
+    parse_duration,
+    parse_size,
+)
 
 
 @pytest.mark.parametrize(
@@ -53,10 +59,36 @@ def test_parse_duration(text: str, expected: float) -> None:
     assert parse_duration(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "d", "7x", "-3", "3d-", "h12", "nan"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        *["", "d", "7x", "-3", "3d-", "h12", "nan", "inf", "-inf", "Infinity", "1e400"],
+        *["-0.5", "9" * 400 + "d", "6000w", "-1s"],
+    ],
+)
 def test_parse_duration_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="expected a duration"):
         parse_duration(text)
+
+
+@pytest.mark.parametrize("text", ["inf", "1e400", "nan", "-2", "9" * 400 + "s"])
+def test_parse_duration_non_finite_or_negative_says_so(text: str) -> None:
+    with pytest.raises(ValueError, match=r"\(finite, >= 0\), got '"):
+        parse_duration(text)
+
+
+def test_parse_duration_bounds() -> None:
+    assert parse_duration("0") == 0.0
+    assert parse_duration(str(MAX_DURATION_S)) == MAX_DURATION_S
+    assert parse_duration("5200w") == 5200 * 7 * 86400.0  # just under 100 years
+    with pytest.raises(ValueError, match="at most 100 years"):
+        parse_duration(str(MAX_DURATION_S + 1))
+
+
+@pytest.mark.parametrize("text", ["9" * 400, "9" * 400 + "P", "2000P", "1025PiB"])
+def test_parse_size_rejects_huge(text: str) -> None:
+    with pytest.raises(ValueError, match="expected a size of at most 1 EiB"):
+        parse_size(text)
 
 
 def test_format_size_and_time() -> None:
