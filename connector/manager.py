@@ -1,8 +1,8 @@
 """The scheduler side: which blocks the store holds, and publishing what the workers wrote.
 
-vLLM calls every method on its scheduler thread (holding ``lock``, a no-op here: the
-background threads never touch this object's state; they only return futures, which the
-scheduler thread applies at its next call).
+vLLM calls every method on its scheduler thread (0.33 holds ``lock``, vLLM's default no-op
+here; 0.32 has no lock: the background threads never touch this object's state, they only
+return futures, which the scheduler thread applies at its next call).
 
 * ``lookup`` answers from an in-memory view: HIT for a key known present (LRU of
   ``index_capacity`` keys), HIT_PENDING while its publish is running, MISS for a key probed
@@ -21,7 +21,8 @@ scheduler thread applies at its next call).
   ``write_backoff_s`` seconds, no new stores are offered (a full disk does not fill the log).
 * :meth:`KVStoreManager.note_worker_failures` (from the connector) records those store
   failures, and forgets keys whose load failed (quarantined or vanished files).
-* ``reset_cache`` drops the in-memory view only: the store is persistent and shared.
+* ``reset_cache`` drops the in-memory view only: the store is persistent and shared. Blocks
+  pending at a reset are aborted once the workers reported their jobs (``abort_orphans``).
 """
 
 from __future__ import annotations
@@ -339,14 +340,19 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         return RequestOffloadingContext()
 
     def has_pending_work(self) -> bool:
-        return bool(self._probe_queue or self._probes or self._publishes)
+        # Orphans keep the engine stepping until the workers' reports of the jobs flushed by
+        # a reset come back (vLLM 0.32 stops stepping otherwise; see connector.compat).
+        return bool(self._probe_queue or self._probes or self._publishes or self._orphans)
 
     def reset_cache(self) -> None:
         """Forget the in-memory view (the store itself is persistent and shared).
 
         vLLM drops the jobs in flight: their ``complete_store`` / ``complete_load`` never
-        come. Their pending blocks are aborted once the workers reported them
-        (:meth:`on_reset_flushed`), since until then a worker may still be writing.
+        come, and pins of loads in flight are dropped here. Their pending blocks are aborted
+        (temporary files removed) once every worker reported those jobs
+        (:meth:`abort_orphans`), since until then a worker may still be writing: vLLM 0.33
+        says so with :meth:`on_reset_flushed`; under 0.32, which never calls it,
+        :class:`connector.vllm_connector.KVStoreConnector` counts the reports itself.
         """
         self._present.clear()
         self._absent.clear()
@@ -356,6 +362,11 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self._failed_stores.clear()
 
     def on_reset_flushed(self) -> None:
+        """vLLM 0.33: every worker reported the jobs in flight at the last reset."""
+        self.abort_orphans()
+
+    def abort_orphans(self) -> None:
+        """Abort the blocks pending at past resets (no worker writes them any more)."""
         orphans, self._orphans = self._orphans, []
         by_array: dict[int, list[tuple[bytes, PendingBlock]]] = defaultdict(list)
         for pending in orphans:
@@ -374,11 +385,14 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
     def shutdown(self) -> None:
         self.drain()
         leftovers: dict[int, list[PendingBlock]] = defaultdict(list)
-        for pending in self._pending.values():
+        # The workers are stopped by now: blocks of unfinished jobs, and of jobs flushed by a
+        # reset whose reports never came, are nobody's any more.
+        for pending in [*self._pending.values(), *self._orphans]:
             leftovers[pending.group].append(pending)
         for array, pendings in leftovers.items():
             self.namespace.group(array).abort_blocks(pendings)
         self._pending.clear()
+        self._orphans.clear()
         self._pool.shutdown(wait=True)
         self.store.close()
 

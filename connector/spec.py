@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 
+from connector import compat
 from connector.config import ConnectorConfig
 from connector.facts import current
 from connector.identity import derive_identity
@@ -83,6 +84,12 @@ class KVStoreSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]  # Any w
                 '"kv_load_failure_policy": "recompute" in --kv-transfer-config'
             )
         sync_budget = int(config.extra_config.get("sync_load_budget_bytes", 0) or 0)
+        if sync_budget > 0 and not compat.VLLM_HAS_SYNC_LOADS:
+            raise ConfigError(
+                f"sync_load_budget_bytes={sync_budget}: this vLLM has no synchronous loads "
+                "(OffloadingWorker.submit_load takes no 'expedited'; vLLM 0.32) and would "
+                "ignore the key; leave it at 0"
+            )
         if sync_budget > 0 and len(config.groups) > 1:
             raise ConfigError(
                 "sync_load_budget_bytes > 0 with several KV-cache groups: vLLM 0.33 cannot "

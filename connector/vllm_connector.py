@@ -11,7 +11,10 @@ block would crash the engine. This subclass changes nothing else; it
   load of the request is reported failed (``failed_recving``) and recomputed;
 * sends the keys of failed stores and loads to the scheduler in the per-step worker metadata
   (:class:`KVStoreWorkerMetadata`), where the manager learns them before ``complete_store``
-  of the job (so those blocks are not published) and forgets keys whose file went bad.
+  of the job (so those blocks are not published) and forgets keys whose file went bad;
+* on a vLLM without ``on_reset_flushed`` (0.32, :mod:`connector.compat`), counts the workers'
+  reports of the store jobs in flight at a prefix-cache reset and has the manager abort their
+  blocks once all came back (0.33 does this itself).
 
 Load it with ``"kv_connector": "KVStoreConnector"``, ``"kv_connector_module_path":
 "connector"`` (see docs/vllm.md).
@@ -20,16 +23,18 @@ Load it with ``"kv_connector": "KVStoreConnector"``, ``"kv_connector_module_path
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
@@ -41,6 +46,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
 
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+from connector import compat
+from connector.compat import manager_lock
 from connector.facts import engine_facts, provide
 from connector.manager import KVStoreManager
 from connector.spec import KVStoreSpec
@@ -79,6 +89,12 @@ class KVStoreConnector(OffloadingConnector):  # type: ignore[misc, unused-ignore
             super().__init__(vllm_config, role, kv_cache_config)
         # vLLM maps block-level load errors back to requests only for single-group models.
         self._request_level_errors = len(get_offloading_group_ids(kv_cache_config)) > 1
+        # Scheduler side, where vLLM does not report the end of a reset's flush (0.32): worker
+        # reports still due per store job, and per store job in flight at the last reset.
+        self._own_reset_fence = not compat.VLLM_REPORTS_RESET_FLUSH
+        self._num_workers = int(vllm_config.parallel_config.world_size)
+        self._store_reports_due: dict[int, int] = {}
+        self._reset_fence: dict[int, int] = {}
 
     @property
     def kvstore_worker(self) -> KVStoreWorker | None:
@@ -136,14 +152,46 @@ class KVStoreConnector(OffloadingConnector):  # type: ignore[misc, unused-ignore
 
     # -- scheduler side ------------------------------------------------------------------------
 
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        if self._own_reset_fence and isinstance(meta, OffloadingConnectorMetadata):
+            for job_id in meta.store_jobs:
+                self._store_reports_due[job_id] = self._num_workers
+        return meta
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta: Any = connector_output.kv_connector_worker_meta
         manager = self.kvstore_manager
-        if (
-            manager is not None
-            and isinstance(meta, KVStoreWorkerMetadata)
-            and (meta.failed_store_keys or meta.failed_load_keys)
-        ):
-            with manager.lock:
-                manager.note_worker_failures(meta.failed_store_keys, meta.failed_load_keys)
+        if manager is not None:
+            with manager_lock(manager):
+                if isinstance(meta, KVStoreWorkerMetadata) and (
+                    meta.failed_store_keys or meta.failed_load_keys
+                ):
+                    manager.note_worker_failures(meta.failed_store_keys, meta.failed_load_keys)
+                if self._own_reset_fence and isinstance(meta, OffloadingWorkerMetadata):
+                    self._count_reports(manager, meta.completed_jobs)
         super().update_connector_output(connector_output)
+
+    def reset_cache(self) -> bool | None:
+        result: bool | None = super().reset_cache()
+        manager = self.kvstore_manager
+        if self._own_reset_fence and manager is not None:
+            # vLLM dropped the jobs in flight; their workers may still be writing.
+            self._reset_fence.update(self._store_reports_due)
+            self._store_reports_due.clear()
+            if not self._reset_fence:
+                with manager_lock(manager):
+                    manager.abort_orphans()
+        return result
+
+    def _count_reports(self, manager: KVStoreManager, completed: dict[int, int]) -> None:
+        """Count worker reports of store jobs; abort a reset's orphans once all came back."""
+        fence_was_up = bool(self._reset_fence)
+        for job_id, count in completed.items():
+            for due in (self._store_reports_due, self._reset_fence):
+                if job_id in due:
+                    due[job_id] -= count
+                    if due[job_id] <= 0:
+                        del due[job_id]
+        if fence_was_up and not self._reset_fence:
+            manager.abort_orphans()

@@ -25,6 +25,7 @@ Layout: per offloaded group, the local tensors and the certified
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -58,6 +59,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.connector")
 
+# Test-only hook, never set in production: loaded pages are zeroed after verification (the
+# e2e tier's negative control shows that the engine's output then changes).
+PERTURB_LOADS_ENV = "KVSTORE_TEST_PERTURB_LOADS"
+
 
 @dataclass(frozen=True)
 class WorkerGroup:
@@ -67,6 +72,8 @@ class WorkerGroup:
     array: int  # store array g<array>
     rank_io: RankIO  # this rank's mapping joined to the group's store
     tensors: tuple[torch.Tensor, ...]  # local tensors in the mapping's form
+    packed: bool = False  # one packed-row tensor (else one tensor per layer)
+    offset: int = 0  # packed: byte offset of the group's first layer in each row
 
 
 @dataclass
@@ -116,6 +123,11 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         self._failed_load_requests: set[str] = set()
         self._failed_store_keys: list[bytes] = []
         self._failed_load_keys: list[bytes] = []
+        # TEST ONLY (tests/e2e negative control): zero every verified page after loading it,
+        # to show that the loaded bytes are what the engine computes with.
+        self._perturb_loads = os.environ.get(PERTURB_LOADS_ENV) == "1"
+        if self._perturb_loads:
+            log.warning("kvstore: %s=1: loaded pages are zeroed (a test hook)", PERTURB_LOADS_ENV)
 
     # -- vLLM's OffloadingWorker ---------------------------------------------------------------
 
@@ -298,13 +310,17 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
             except Exception as exc:
                 _fail(outcome, [keys[i] for i in indices], block_ids, exc)
                 continue
+            loaded = []
             for i, block_id, result in zip(indices, block_ids, results, strict=True):
                 if result.ok:
                     outcome.nbytes += group.rank_io.read_nbytes
+                    loaded.append(block_id)
                 else:
                     outcome.failed_keys.append(keys[i])
                     outcome.failed_blocks.append(block_id)
                     outcome.reasons[_reason(result.status)] += 1
+            if self._perturb_loads and loaded:
+                _perturb_pages(group, loaded)
 
     # -- shared --------------------------------------------------------------------------------
 
@@ -383,13 +399,27 @@ def build_worker(
         where = f"KV-cache group {group_id} on rank {context.global_rank}"
         check_mapping(mapping, local, group_facts.page_bytes, where)
         rank_io = RankIO(namespace.group(array), mapping)
-        groups.append(WorkerGroup(position, array, rank_io, local.tensors))
+        packed = local.form.packing == "packed"
+        groups.append(
+            WorkerGroup(position, array, rank_io, local.tensors, packed, local.form.group_offset)
+        )
     if not kv_caches.tensors:
         raise LayoutError("no KV cache tensors to offload")
     device = kv_caches.tensors[0].tensor.device
     return KVStoreWorker(
         store=store, key_map=key_map, groups=groups, streams=streams_for(device), threads=threads
     )
+
+
+def _perturb_pages(group: WorkerGroup, block_ids: Sequence[int]) -> None:
+    """Zero this rank's pages of ``block_ids`` (the :data:`PERTURB_LOADS_ENV` test hook)."""
+    mapping = group.rank_io.mapping
+    rows = torch.tensor(list(block_ids), dtype=torch.long, device=group.tensors[0].device)
+    if group.packed:  # one row per block, the group's layers back to back from its offset
+        group.tensors[0][rows, group.offset : group.offset + mapping.share_bytes] = 0
+    else:  # one (num_blocks, page) view per layer
+        for tensor in group.tensors:
+            tensor[rows, : mapping.page_bytes] = 0
 
 
 def _fail(outcome: _Outcome, keys: Sequence[bytes], blocks: Sequence[int], exc: Any) -> None:
