@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 import time
 from pathlib import Path
 
@@ -116,3 +117,26 @@ def test_expired_removals_are_swept(
     assert rc == 0
     assert doc["trash_emptied"]["entries"] == 1 and not old.exists()
     assert (root / kept).exists()
+
+
+def test_rm_reports_what_it_cannot_delete(
+    root: Path,
+    two_namespaces: tuple[str, str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An unreadable directory inside the removed namespace (PermissionError injected: tests
+    run as root): rm unpublishes, says what it could not delete, exits 1; gc deletes it later."""
+    gone, _kept = two_namespaces
+
+    def refuse(path: str, *args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    rc, _out, err = cli(capsys, "rm", root, gone, "--yes", "--now")
+    assert rc == 1 and "Permission denied" in err and "Traceback" not in err
+    assert not (root / gone).exists()  # unpublished all the same
+    monkeypatch.undo()
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", "1T", "--grace", "0")
+    assert rc == 0 and doc["trash_emptied"]["entries"] == 1
+    assert not any(p.name.startswith(".trash-") for p in root.iterdir())
