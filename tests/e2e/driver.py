@@ -20,11 +20,13 @@ Usage::
      "widen_cpu_layouts": false,            # let the CPU backend accept BLHNC (see below)
      "max_model_len": 1024, "max_tokens": 8,
      "env": {"KVSTORE_TEST_PERTURB_LOADS": "1"},
-     "batches": [[[1, 2, 3, ...], ...], ...]} # batches of prompts, run one after another
+     "batches": [[[1, 2, 3, ...], ...], "reset", ...]}  # run one after another; "reset":
+                                            # llm.reset_prefix_cache()
 
 ``OUT.json``: ``{"batches": [[{"tokens": [...], "num_cached_tokens": n}, ...], ...],
-"metrics": [{...}, ...] (cumulative counters after each batch), "vllm": version,
-"seconds": {...}}``. ``metrics`` holds vLLM's own counters: ``prefix_cache_hits``
+"metrics": [{...}, ...] (cumulative counters after each batch), "block_hashes": [[hex, ...],
+...] (per prompt, in order: vLLM's hashes of its full blocks, the store's block names),
+"vllm": version, "seconds": {...}}``. ``metrics`` holds vLLM's own counters: ``prefix_cache_hits``
 (tokens from the engine's own prefix cache and the store), ``external_prefix_cache_hits``
 (tokens the connector supplied), ``kv_offload_load_bytes`` / ``kv_offload_store_bytes``.
 
@@ -35,8 +37,9 @@ Reusable helpers (also for benchmarks): :func:`build_model`, :func:`make_llm`,
 layout and refuses ``VLLM_KV_CACHE_LAYOUT=BLHNC`` at start-up, although its kernels read each
 layer's block through strided views and compute the same result on packed rows. The packed
 (cross-layer) KV tensor can therefore only be run on CPU by widening the backend's declared
-layouts, which this driver does in its own process before the engine starts (worker processes
-are forked from it and inherit the patch). Nothing else in the engine is changed.
+layouts, which this driver does in its own process before the engine starts and, through
+``KVSTORE_E2E_WIDEN_CPU_LAYOUTS=1``, in the worker processes vLLM spawns (they import this file
+again as their ``__main__``). Nothing else in the engine is changed.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; the def
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 VOCAB = 512
+WIDEN_ENV = "KVSTORE_E2E_WIDEN_CPU_LAYOUTS"  # set by the driver for its own engine processes
 
 # The tiny models. head_dim 32 and block sizes that are multiples of 32: vLLM's CPU attention
 # supports nothing smaller. Embeddings are untied: tied random embeddings make the output
@@ -197,6 +201,23 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[s
     ]
 
 
+def block_hashes(prompt: list[int], block_size: int) -> list[bytes]:
+    """vLLM's prefix-cache hashes of the prompt's full blocks (sha256, no PYTHONHASHSEED, no
+    extra keys), computed with vLLM's own functions: the names of the blocks in the store."""
+    from vllm.utils.hashing import sha256  # noqa: PLC0415
+    from vllm.v1.core import kv_cache_utils  # noqa: PLC0415
+
+    kv_cache_utils.init_none_hash(sha256)
+    hashes: list[bytes] = []
+    parent = None
+    for start in range(0, len(prompt) - block_size + 1, block_size):
+        parent = kv_cache_utils.hash_block_tokens(
+            sha256, parent, prompt[start : start + block_size]
+        )
+        hashes.append(bytes(parent))
+    return hashes
+
+
 def read_metrics(llm: Any) -> dict[str, float]:
     """vLLM's counters (summed over label sets), ``vllm:`` prefix dropped."""
     totals: dict[str, float] = {}
@@ -215,6 +236,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         os.environ["VLLM_KV_CACHE_LAYOUT"] = job["kv_cache_layout"]
     model_dir = build_model(job.get("model", "llama"), Path(job["model_dir"]))
     if job.get("widen_cpu_layouts"):
+        os.environ[WIDEN_ENV] = "1"  # for the spawned workers, which re-import this module
         widen_cpu_layouts()
     import vllm  # noqa: PLC0415
 
@@ -227,14 +249,25 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         max_model_len=int(job.get("max_model_len", 1024)),
     )
     t1 = time.monotonic()
-    batches, metrics = [], []
+    batches: list[Any] = []
+    metrics: list[dict[str, float]] = []
     for prompts in job["batches"]:
-        batches.append(generate(llm, prompts, int(job.get("max_tokens", 8))))
+        if prompts == "reset":
+            batches.append({"reset_prefix_cache": bool(llm.reset_prefix_cache())})
+        else:
+            batches.append(generate(llm, prompts, int(job.get("max_tokens", 8))))
         metrics.append(read_metrics(llm))
     t2 = time.monotonic()
+    block = int(job.get("block_size", 32))
     return {
         "batches": batches,
         "metrics": metrics,
+        "block_hashes": [
+            [h.hex() for h in block_hashes(p, block)]
+            for prompts in job["batches"]
+            if prompts != "reset"
+            for p in prompts
+        ],
         "vllm": vllm.__version__,
         "seconds": {"start": round(t1 - t0, 1), "generate": round(t2 - t1, 1)},
     }
@@ -251,6 +284,10 @@ def main(argv: list[str]) -> int:
     # work (stores written and published), then shuts the connector down.
     return 0
 
+
+# vLLM's CPU platform spawns its workers; they import this file again as their __main__.
+if os.environ.get(WIDEN_ENV) == "1":
+    widen_cpu_layouts()
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

@@ -1,0 +1,63 @@
+"""A chain of real engine processes sharing one store, run lazily and once per session.
+
+Each engine process costs ~30-60 s on 2 cores (imports, engine start), so the e2e tests of
+one model share one chain: a step names the engine processes that must have run before it
+(``after``), e.g. "load" after "store"; the first test that needs a step runs it and its
+predecessors; later tests reuse the results. Each step is a driver job (see driver.py).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .driver import VOCAB
+from .engine import run_engine
+
+BLOCK = 32  # tokens per block: vLLM's CPU attention wants a multiple of 32
+
+
+def make_prompt(seed: int, n_tokens: int) -> list[int]:
+    """A deterministic random token-id prompt."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n_tokens)]
+
+
+@dataclass
+class Step:
+    """One engine process: its job (driver keys) and what must run before it."""
+
+    job: dict[str, Any]
+    after: tuple[str, ...] = ()
+    before_run: Callable[[], None] | None = None  # e.g. damage the store it will read
+
+
+@dataclass
+class Chain:
+    python: str
+    workdir: Path
+    model: str  # driver model kind
+    model_dir: Path
+    steps: dict[str, Step] = field(default_factory=dict)
+    results: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, name: str, step: Step) -> None:
+        self.steps[name] = step
+
+    def result(self, name: str) -> Any:
+        """The driver result of step ``name``, running it (and what it needs) first."""
+        if name not in self.results:
+            step = self.steps[name]
+            for dependency in step.after:
+                self.result(dependency)
+            if step.before_run is not None:
+                step.before_run()
+            job = {"model": self.model, "model_dir": str(self.model_dir), **step.job}
+            self.results[name] = run_engine(self.python, job, self.workdir, name)
+        return self.results[name]
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")
