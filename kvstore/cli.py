@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvstore import demo
 from kvstore.admin import commands as admin_commands
-from kvstore.cli_args import OneLineParser, positive_int
+from kvstore.cli_args import OneLineParser, positive_int, store_root
 from kvstore.errors import KvstoreError
 from kvstore.layout.parallel import ParallelLayout
 from kvstore.models import model_names
@@ -37,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         description=(demo.__doc__ or "").split("\n\n")[0],
     )
     d.add_argument(
-        "--root", type=Path, default=Path("kvcache"), help="store directory (default: ./kvcache)"
+        "--root",
+        type=store_root,
+        default=Path("kvcache"),
+        help="store directory (default: ./kvcache)",
     )
     d.add_argument(
         "--model",

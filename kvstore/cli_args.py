@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -26,3 +27,11 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def store_root(text: str) -> Path:
+    """argparse type: a store directory. Not empty: ``Path("")`` is the current directory, and
+    an empty argument (an unset shell variable) must not silently mean that."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a store directory, got '' (an empty path)")
+    return Path(text)

@@ -83,7 +83,7 @@ class StoreConfig:
     compression: str = "none"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))  # accept str from callers
+        object.__setattr__(self, "root", check_root(self.root))  # accept str from callers
         _check_choice("durability", self.durability, Durability)
         _check_choice("direct_io", self.direct_io, DirectIO)
         _check_choice("checksum", self.checksum, ChecksumName)
@@ -197,6 +197,30 @@ def check_compression(value: object) -> str:
     return value
 
 
+def check_root(value: object) -> Path:
+    """``value`` as the store root, else a :class:`ConfigError` naming what arrived.
+
+    A ``str`` or ``os.PathLike`` naming a path, not empty (``Path("")`` is the current
+    directory: an unset variable must not silently put a store there) and without NUL bytes.
+    """
+    expected = "root: expected a non-empty path (str or os.PathLike)"
+    if not isinstance(value, str | os.PathLike):
+        raise ConfigError(f"{expected}, got {value!r} ({type(value).__name__})")
+    try:
+        text = os.fspath(value)
+    except TypeError as exc:  # a PathLike whose __fspath__ returns neither str nor bytes
+        raise ConfigError(f"{expected}, got {value!r} ({exc})") from None
+    if not isinstance(text, str):
+        raise ConfigError(f"{expected}, got {value!r} (a bytes path)")
+    if not text:
+        raise ConfigError(
+            f"{expected}, got '' (an empty root would silently be the current directory)"
+        )
+    if "\0" in text:
+        raise ConfigError(f"{expected}, got {text!r} (it contains a NUL byte)")
+    return Path(text)
+
+
 def _check_choice(name: str, value: object, choices_type: Any) -> None:
     choices = get_args(choices_type)
     if value not in choices:
@@ -222,10 +246,8 @@ def _convert(name: str, value: object, default: object) -> object:
             except ValueError:
                 pass
         raise ConfigError(f"{name}: expected an int, got {value!r}")
-    if isinstance(default, Path):
-        if isinstance(value, str | os.PathLike):
-            return Path(value)
-        raise ConfigError(f"{name}: expected a path, got {value!r}")
+    if isinstance(default, Path):  # the root: checked before Path("") turns into "."
+        return check_root(value)
     if isinstance(default, str):
         if isinstance(value, str):
             return value

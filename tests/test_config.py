@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,7 +114,7 @@ def test_unknown_key_names_the_accepted_keys() -> None:
         ("io_threads", "300", "io_threads: expected 1..256, got 300"),
         ("verify_reads", "maybe", "verify_reads: expected a bool, got 'maybe'"),
         ("quarantine", 1, "quarantine: expected a bool, got 1"),
-        ("root", 5, "root: expected a path, got 5"),
+        ("root", 5, "root: expected a non-empty path (str or os.PathLike), got 5 (int)"),
         (
             "durability",
             "sometimes",
@@ -237,3 +239,57 @@ def test_forced_gds_with_a_host_checksum_is_refused(checksum: str) -> None:
 def test_io_mode_from_env() -> None:
     config = StoreConfig.from_env(environ={"KVSTORE_IO_MODE": "pinned"})
     assert config.io_mode == "pinned"
+
+
+@pytest.mark.parametrize(
+    ("value", "arrived"),
+    [
+        (1, "got 1 (int)"),
+        (None, "got None (NoneType)"),
+        (b"/data/kv", "got b'/data/kv' (bytes)"),
+        (2.5, "got 2.5 (float)"),
+        ("", "got '' (an empty root would silently be the current directory)"),
+        ("/data/k\0v", "got '/data/k\\x00v' (it contains a NUL byte)"),
+    ],
+)
+def test_bad_root_is_a_config_error(value: object, arrived: str) -> None:
+    """Issue 14 item 8: ``StoreConfig(root=1)`` raised TypeError, ``root=""`` was the cwd."""
+    expected = f"root: expected a non-empty path (str or os.PathLike), {arrived}"
+    with pytest.raises(ConfigError) as direct:
+        StoreConfig(root=value)  # type: ignore[arg-type]
+    assert str(direct.value) == expected
+    with pytest.raises(ConfigError) as mapped:
+        StoreConfig.from_mapping({"root": value})
+    assert str(mapped.value) == expected
+
+
+def test_empty_root_from_the_environment_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"root: expected a non-empty path .*got ''"):
+        StoreConfig.from_env(environ={"KVSTORE_ROOT": ""})
+    assert StoreConfig.from_env(environ={"KVSTORE_ROOT": "."}).root == Path(".")  # explicit
+
+
+def test_pathlike_root_is_accepted() -> None:
+    class Where:
+        def __fspath__(self) -> str:
+            return "/data/kv"
+
+    assert StoreConfig(root=Where()).root == Path("/data/kv")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize(
+    "value", [None, b"x", 1.5, float("nan"), [], {}, object(), -1, 10**30, "nonsense"]
+)
+def test_every_field_refuses_wrong_types_with_config_error(field: str, value: object) -> None:
+    """Whatever arrives, a field either accepts it or raises ConfigError naming the field."""
+    kwargs: dict[str, Any] = {field: value}
+    builds: list[Callable[[], StoreConfig]] = [
+        lambda: StoreConfig(**kwargs),
+        lambda: StoreConfig.from_mapping(kwargs),
+    ]
+    for build in builds:
+        try:
+            build()
+        except ConfigError as exc:
+            assert str(exc).startswith(f"{field}: expected "), str(exc)

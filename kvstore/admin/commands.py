@@ -8,12 +8,11 @@ one; the work is done by the module of each command. Exit codes follow the CLI: 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from kvstore.admin import du, gc, ls, rm, verify
 from kvstore.admin.sizes import parse_duration, parse_size
 from kvstore.admin.trash import DEFAULT_GRACE_S
-from kvstore.cli_args import OneLineParser, positive_int
+from kvstore.cli_args import OneLineParser, positive_int, store_root
 
 COMMANDS = ("ls", "du", "verify", "gc", "rm")
 JSON_HELP = "print JSON for machines instead of the table"
@@ -28,7 +27,7 @@ def add_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         description="Namespaces (model, dtype, groups, blocks, bytes, oldest/newest last use); "
         "with NS, its blocks (hash, parent, tokens, size, last use), most recent first.",
     )
-    p_ls.add_argument("root", type=Path, help=root_help)
+    p_ls.add_argument("root", type=store_root, help=root_help)
     p_ls.add_argument("namespace", nargs="?", help="namespace directory name")
     p_ls.add_argument("--json", action="store_true", help=JSON_HELP)
     p_du = sub.add_parser(
@@ -36,7 +35,7 @@ def add_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         help="bytes per namespace and group, temp, quarantine, trash",
         description="Bytes per namespace and group, temporary files, quarantined files, trash.",
     )
-    p_du.add_argument("root", type=Path, help=root_help)
+    p_du.add_argument("root", type=store_root, help=root_help)
     p_du.add_argument("--json", action="store_true", help=JSON_HELP)
     v = sub.add_parser(
         "verify",
@@ -44,7 +43,7 @@ def add_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         description="Re-check every block file (size, header, key, identity, checksums) and find "
         "orphan temporary files and foreign files. Read-only unless --fix. Exit 1 on findings.",
     )
-    v.add_argument("root", type=Path, help=root_help)
+    v.add_argument("root", type=store_root, help=root_help)
     v.add_argument(
         "--fix",
         action="store_true",
@@ -72,7 +71,7 @@ def add_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         "store is within --max-bytes and/or no block is older than --max-age. Evicted blocks are "
         "renamed into <ns>/trash/ and unlinked after --grace.",
     )
-    g.add_argument("root", type=Path, help=root_help)
+    g.add_argument("root", type=store_root, help=root_help)
     g.add_argument("--max-bytes", type=_size, help="size budget, e.g. 10G, 500MiB, 2TB")
     g.add_argument("--max-age", type=_duration, help="evict blocks unused for longer, e.g. 7d, 12h")
     g.add_argument("--dry-run", action="store_true", help="report what would go, change nothing")
@@ -105,7 +104,7 @@ def add_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         description="Remove a namespace: rename it out of the store at once, delete it after "
         "--grace (or at once with --now).",
     )
-    r.add_argument("root", type=Path, help=root_help)
+    r.add_argument("root", type=store_root, help=root_help)
     r.add_argument("namespace", help="namespace directory name")
     r.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     r.add_argument(

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.cli_args import OneLineParser, positive_int
+from kvstore.cli_args import OneLineParser, positive_int, store_root
 from kvstore.errors import KvstoreError
 from kvstore.inspect import block as block_view
 from kvstore.inspect import diff as diff_view
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         name: str, help_text: str, block: bool = False, ns: bool = False
     ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("root", type=Path, help="store directory")
+        p.add_argument("root", type=store_root, help="store directory")
         if ns or block:
             p.add_argument("namespace", help="namespace directory name, or a unique prefix")
         if block:

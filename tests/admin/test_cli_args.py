@@ -128,3 +128,29 @@ def test_inspect_picture_size_is_bounded(
     assert rc == 2
     assert err.count("\n") == 1 and "argument --size: expected WIDTHxHEIGHT" in err
     assert not (tmp_path / "t.png").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ls", ""],
+        ["du", ""],
+        ["verify", "", "--fix"],
+        ["gc", "", "--max-bytes", "0"],
+        ["rm", "", "ns", "--yes", "--now"],
+        ["demo", "--root", ""],
+    ],
+)
+def test_empty_root_is_not_the_current_directory(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+) -> None:
+    """Issue 14 item 8: an empty root (an unset shell variable) meant the current directory."""
+    monkeypatch.chdir(tmp_path)
+    line = refused(capsys, *argv)
+    assert "expected a store directory, got '' (an empty path)" in line
+    assert list(tmp_path.iterdir()) == []
+    rc = inspect_main(["overview", ""])
+    assert rc == 2 and "expected a store directory, got ''" in capsys.readouterr().err
