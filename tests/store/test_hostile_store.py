@@ -454,3 +454,48 @@ def test_array_directory_link_is_refused_before_anything_is_created(
     with pytest.raises(StoreFormatError, match="symbolic link"):
         make_store().namespace(identity)
     assert list(outside.iterdir()) == []
+
+
+# -- the hot path's cost stays what it was ---------------------------------------------------------
+
+
+class _CountingFileIO(FileIO):
+    """Counts the calls the checks above could have added to the hot path."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        self._count("open")
+        return super().open(path, flags, mode)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        self._count("fstat")
+        return super().fstat(fd)
+
+    def exists(self, path: str) -> bool:
+        self._count("exists")
+        return super().exists(path)
+
+    def lstat_at(self, dir_fd: int | None, name: str) -> os.stat_result:
+        self._count("lstat")
+        return super().lstat_at(dir_fd, name)
+
+
+def test_reads_and_lookups_cost_one_call_each(make_store: StoreFactory) -> None:
+    """A read of some chunks: one open, one fstat (regular-file check, size and identity
+    together); a lookup: one probe per hash, nothing opened."""
+    fio = _CountingFileIO()
+    group = make_store(fio=fio).namespace(make_small_identity()).group(0)
+    h, _ = _write(group, 14)
+    fio.calls.clear()
+    out = np.zeros(2 * group.layout.chunk_nbytes, dtype=np.uint8)
+    (result,) = group.read_blocks([BlockRead(h, out, [0, group.layout.num_chunks - 1])])
+    assert result.status is ReadStatus.HIT
+    assert fio.calls == {"open": 1, "fstat": 1}
+    fio.calls.clear()
+    assert group.contains([h, block_hash(15, "hostile")]) == [True, False]
+    assert fio.calls == {"exists": 2}
