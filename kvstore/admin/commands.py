@@ -92,9 +92,9 @@ def add_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     )
     g.add_argument(
         "--interval",
-        type=_positive_duration,
+        type=_duration,
         default=10.0,
-        help="time between --watch passes, > 0 (default: 10s)",
+        help="time between --watch passes (default: 10s)",
     )
     g.add_argument("--max-passes", type=positive_int, help="stop --watch after this many passes")
     g.add_argument("--json", action="store_true", help=JSON_HELP)
@@ -131,13 +131,6 @@ def _duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_duration(text: str) -> float:
-    seconds = _duration(text)
-    if seconds <= 0:  # 0 would spin: a pass after a pass without a pause
-        raise argparse.ArgumentTypeError(f"expected a duration > 0, got {text!r}")
-    return seconds
 
 
 def _fraction(text: str) -> float:

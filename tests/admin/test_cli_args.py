@@ -95,7 +95,6 @@ def test_bad_sizes_are_refused(
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["gc", "{root}", "--watch", "--interval", "0"], "--interval: expected a duration > 0"),
         (["verify", "{root}", "--sample", "nan"], "--sample: expected a fraction in (0, 1]"),
         (["verify", "{root}", "--sample", "inf"], "--sample: expected a fraction in (0, 1]"),
         (["verify", "{root}", "--threads", "0"], "--threads: expected a positive integer"),
