@@ -271,7 +271,7 @@ def test_watch_cli_json_lines(
         2 * size,
         "--watch",
         "--interval",
-        "0",
+        "0.01",  # > 0: the interval must be a positive duration (issue 14 item 5)
         "--max-passes",
         "3",
         "--json",
