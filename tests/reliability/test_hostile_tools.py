@@ -417,3 +417,19 @@ def test_gc_evicting_under_readers_never_serves_a_wrong_page(
             t.join()
     assert wrong == []
     assert outcomes.get("hit", 0) > 0 and outcomes.get("miss", 0) > 0, outcomes
+
+
+def test_gc_reports_an_unreadable_namespace_directory(
+    populated: tuple[Path, str, list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Item 6: gc said "within budget", exit 0, and never mentioned the namespace."""
+    root, ns, paths = populated
+    with unreadable(root / ns, monkeypatch):
+        rc, doc = cli_json(capsys, "gc", root, "--max-bytes", "1T")
+        err = capsys.readouterr().err
+    assert rc == 1 and doc["usage_complete"] is False
+    assert any(f["path"].endswith(ns) for f in doc["findings"]), doc["findings"]
+    assert all(os.path.exists(p) for p in paths)
+    assert "Traceback" not in err
