@@ -35,6 +35,7 @@ from typing import Any
 
 from kvstore.errors import KvstoreError, StoreFormatError
 from kvstore.identity import DType, GroupSpec, Identity
+from kvstore.io.fileio import describe_kind
 from kvstore.store import metadata, paths
 from kvstore.store.check import ShardSpec
 from kvstore.store.codec import Codec
@@ -316,25 +317,9 @@ def read_document(directory: Path) -> dict[str, Any] | None:
             raise StoreFormatError(f"{path}: cannot stat ({exc.strerror or exc})") from exc
         if not want(st.st_mode):
             raise StoreFormatError(
-                f"{path}: expected {kind}, got {file_kind(st.st_mode)} (never opened)"
+                f"{path}: expected {kind}, got {describe_kind(st.st_mode)} (never opened)"
             )
     return metadata.read_document(directory)
-
-
-def file_kind(mode: int) -> str:
-    """What ``mode`` (st_mode) says a file is, in words ("a FIFO", "a symbolic link", ...)."""
-    for test, words in (
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a device"),
-        (stat.S_ISBLK, "a device"),
-    ):
-        if test(mode):
-            return words
-    return "a special file"
 
 
 def _namespace_view(path: Path, doc: dict[str, Any]) -> NamespaceView:
