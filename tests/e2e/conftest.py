@@ -1,7 +1,8 @@
 """Fixtures of the e2e tier: the e2e venv's python, tiny local models, engine environments.
 
 Without the e2e venv (``scripts/e2e_venv.sh``) every e2e test skips with the reason, unless
-``KVSTORE_E2E_REQUIRED=1`` (``.ci/run`` sets it): then it fails.
+``KVSTORE_E2E_REQUIRED=1`` (``.ci/run`` sets it): then it fails. ``KVSTORE_E2E=0`` skips the
+tier (``.ci/run`` sets it for its main pytest run, after running this tier on its own).
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import pytest
 
 from .engine import REQUIRED_ENV, e2e_venv_python, engine_env
 
+SEPARATE_ENV = "KVSTORE_E2E"  # "0": skip the tier (it runs as a separate pytest run)
+
 
 @pytest.fixture(scope="session")
 def e2e_python() -> str:
+    if os.environ.get(SEPARATE_ENV) == "0":
+        pytest.skip(f"{SEPARATE_ENV}=0: the e2e tier runs on its own (.ci/run runs it first)")
     python = e2e_venv_python()
     if python is None:
         reason = (
