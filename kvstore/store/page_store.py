@@ -27,7 +27,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import IdentityMismatchError, StoreFormatError
 from kvstore.identity import Identity
 from kvstore.io.engine import Engine
-from kvstore.io.fileio import DEFAULT_FILEIO, FileIO, sync_parents
+from kvstore.io.fileio import DEFAULT_FILEIO, FileIO, describe_kind, sync_parents
 from kvstore.io.host import PROBE_PREFIX
 from kvstore.io.select import Probes, select_engine
 from kvstore.io.staging import Staging
@@ -272,10 +272,19 @@ def _refuse_symlinks(root: Path, directory: Path) -> None:
             mode = os.lstat(current).st_mode
         except FileNotFoundError:
             return
+        except OSError as exc:  # e.g. EACCES on an unreadable parent
+            raise StoreFormatError(f"{current}: cannot check the store directory ({exc})") from exc
         if stat.S_ISLNK(mode):
             raise StoreFormatError(
                 f"{current}: a symbolic link inside the store; kvstore follows no links below "
                 "its root (move or link the whole root instead)"
+            )
+        if not stat.S_ISDIR(mode):
+            # A FIFO or file where the array's chunk directories belong: the group cannot
+            # hold blocks; refuse it by name instead of failing later with an OSError.
+            raise StoreFormatError(
+                f"{current}: expected a directory of the store, got {describe_kind(mode)} "
+                "(run `kvstore verify --fix` or remove it)"
             )
 
 

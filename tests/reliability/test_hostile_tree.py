@@ -266,11 +266,6 @@ def test_tools_on_every_hostile_entry(
     assert exit_codes[0] > 0 and exit_codes[1] > 0 and exit_codes[2] > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="store side (H14b, kvstore/store): KVStore.namespace raises NotADirectoryError (not "
-    "a KvstoreError) when g0/c or g0/c/0 is a FIFO or a file; strict: passes once fixed",
-)
 def test_store_on_every_hostile_entry(
     template: tuple[Path, str, str, list[bytes]], tmp_path: Path
 ) -> None:
