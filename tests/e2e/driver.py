@@ -21,7 +21,8 @@ Usage::
      "max_model_len": 1024, "max_tokens": 8,
      "env": {"KVSTORE_TEST_PERTURB_LOADS": "1"},
      "batches": [[[1, 2, 3, ...], ...], "reset", ...]}  # run one after another; "reset":
-                                            # llm.reset_prefix_cache()
+                                            # llm.reset_prefix_cache(); "reset_connector":
+                                            # the same with reset_connector=True
 
 ``OUT.json``: ``{"batches": [[{"tokens": [...], "num_cached_tokens": n}, ...], ...],
 "metrics": [{...}, ...] (cumulative counters after each batch), "block_hashes": [[hex, ...],
@@ -57,6 +58,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; the def
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 VOCAB = 512
+# Batch entries that are not prompts: llm.reset_prefix_cache(), of the engine's own prefix
+# cache only, or also of the connector's state (reset_connector=True).
+RESETS = ("reset", "reset_connector")
 WIDEN_ENV = "KVSTORE_E2E_WIDEN_CPU_LAYOUTS"  # set by the driver for its own engine processes
 
 # The tiny models. head_dim 32 and block sizes that are multiples of 32: vLLM's CPU attention
@@ -252,8 +256,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     batches: list[Any] = []
     metrics: list[dict[str, float]] = []
     for prompts in job["batches"]:
-        if prompts == "reset":
-            batches.append({"reset_prefix_cache": bool(llm.reset_prefix_cache())})
+        if prompts in RESETS:
+            done = llm.reset_prefix_cache(reset_connector=prompts == "reset_connector")
+            batches.append({prompts: bool(done)})
         else:
             batches.append(generate(llm, prompts, int(job.get("max_tokens", 8))))
         metrics.append(read_metrics(llm))
@@ -265,7 +270,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         "block_hashes": [
             [h.hex() for h in block_hashes(p, block)]
             for prompts in job["batches"]
-            if prompts != "reset"
+            if prompts not in RESETS
             for p in prompts
         ],
         "vllm": vllm.__version__,
