@@ -21,13 +21,13 @@ from kvstore.admin.progress import Progress
 from kvstore.admin.report import print_json, print_lines, table, warn
 from kvstore.admin.scan import (
     Entry,
-    NamespaceInfo,
     fanout_dirs,
     open_root,
     scan_store,
 )
 from kvstore.admin.sizes import format_size, format_time, iso_time
 from kvstore.errors import CorruptBlockError
+from kvstore.store.view import NamespaceView
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class NamespaceSummary:
         }
 
 
-def summarize(ns: NamespaceInfo, blocks: list[Entry]) -> NamespaceSummary:
+def summarize(ns: NamespaceView, blocks: list[Entry]) -> NamespaceSummary:
     """A namespace's row from its identity and its block entries."""
     times = [b.mtime_ns for b in blocks]
     return NamespaceSummary(

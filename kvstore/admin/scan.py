@@ -1,8 +1,8 @@
 """Walking a store directory cold, without opening it for writing.
 
-:func:`open_root` checks that a directory is a kvstore store (format v1) and reads its namespaces'
-identities from their ``zarr.json``; :func:`scan_store` lists every file below it and sorts each
-into one of:
+:func:`open_root` opens the read-only store view (:class:`kvstore.store.view.StoreView`: a
+kvstore store, format v1, and its namespaces' identities); :func:`scan_store` lists every file
+below it and sorts each into one of:
 
 * **block**: a published shard file ``<ns>/g<k>/c/0/…/0/<hi>/<lo>`` (decimal ``lo`` < 2^62);
 * **temp**: a file being written (``.<lo>.tmp-<token>``) or a metadata document being replaced
@@ -15,12 +15,13 @@ into one of:
   (``<root>/.trash-<ns>-<ns time>``: namespaces removed by ``kvstore rm``).
 
 **Hostile trees.** Every directory is listed through a descriptor opened with ``O_NOFOLLOW |
-O_DIRECTORY`` (:func:`list_dir`), and every entry is classified by ``lstat``: a symbolic link is
-never followed (it is a foreign entry, whatever it points at), a FIFO, socket or device is never
-opened (foreign, or a finding of the metadata check), and a directory that cannot be listed
+O_DIRECTORY`` (:func:`kvstore.store.paths.list_dir`), and every entry is classified by
+``lstat``: a symbolic link is never followed (it is a foreign entry, whatever it points at), a
+FIFO, socket or device is never opened (foreign, or a finding of the metadata check), and a
+directory that cannot be listed
 (EACCES, EIO) is recorded in :attr:`StoreScan.unreadable` while the scan carries on with the
 rest. ``zarr.json`` documents are read only when ``lstat`` says they are regular files
-(:func:`read_document`).
+(:func:`kvstore.store.view.read_document`).
 
 Nothing here writes, creates or touches anything (no store object is opened: that would probe
 O_DIRECT with a file in the root and create missing fan-out directories). Files that vanish
@@ -30,95 +31,31 @@ while we list them (eviction, a rename by a writer) are skipped. Sizes are appar
 
 from __future__ import annotations
 
-import errno
 import os
-import re
 import stat
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.errors import KvstoreError, StoreFormatError
-from kvstore.identity import Identity
-from kvstore.io import host
-from kvstore.keys import HASH_HI_FANOUT, HASH_LO_BITS
-from kvstore.store import metadata
-from kvstore.store.format import ShardLayout
-from kvstore.store.group_store import TMP_MARK
-from kvstore.store.page_store import QUARANTINE
+from kvstore.io.host import PROBE_PREFIX
+from kvstore.store import paths
+from kvstore.store.paths import DOC_TMP_PREFIX, QUARANTINE, REMOVED_PREFIX, TRASH, ZARR_JSON
+from kvstore.store.view import GroupView, NamespaceView, Problem, StoreView
 
-# Opening a directory for listing: never through a symbolic link, never blocking.
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-
-TRASH = "trash"  # <ns>/trash/: evicted blocks waiting out the grace period
-REMOVED_PREFIX = ".trash-"  # <root>/.trash-<ns>-<time_ns>: a namespace being removed
-DOC_TMP_PREFIX = metadata.DOC_TMP_PREFIX  # metadata document being replaced
-PROBE_PREFIX = host.PROBE_PREFIX  # the engine's O_DIRECT probe file in the root
 # Threads listing fan-out directories (GlusterFS, 2 cores: 256 listings 2-3x faster with 8).
 SCAN_THREADS = 8
-_DECIMAL = re.compile(r"^(0|[1-9][0-9]*)$")
-_GROUP_DIR = re.compile(r"^g(0|[1-9][0-9]*)$")
-_TRAILING_NS = re.compile(r"-([0-9]+)$")
 
 BLOCK = "block"
 TEMP = "temp"
 FOREIGN = "foreign"
 
 
-@dataclass(frozen=True)
-class GroupInfo:
-    """One group array of a namespace and the geometry of its shard files."""
-
-    index: int
-    path: Path  # <root>/<ns>/g<k>
-    layout: ShardLayout
-    leading_dims: int  # array dimensions before the two hash dimensions
-    compression: str = "none"  # the array's inner-chunk compression (its zarr.json)
-
-    @property
-    def fanout_root(self) -> Path:
-        """The directory holding the 256 fan-out directories."""
-        return self.path.joinpath("c", *(["0"] * self.leading_dims))
-
-
-@dataclass(frozen=True)
-class NamespaceInfo:
-    """A namespace directory and the identity stored in its ``zarr.json``."""
-
-    name: str
-    path: Path
-    identity: Identity
-    groups: tuple[GroupInfo, ...]
-
-    @property
-    def digest(self) -> bytes:
-        return self.identity.digest
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A directory that looks like a namespace but cannot be read as one."""
-
-    path: Path
-    detail: str
-
-
-@dataclass(frozen=True)
-class StoreRoot:
-    """A store root and its readable namespaces (sorted by name)."""
-
-    root: Path
-    namespaces: tuple[NamespaceInfo, ...]
-    problems: tuple[Problem, ...]  # namespace-like directories that could not be read
-
-    def namespace(self, name: str) -> NamespaceInfo:
-        """The namespace called ``name``; a :class:`KvstoreError` naming the ones present."""
-        for ns in self.namespaces:
-            if ns.name == name:
-                return ns
-        names = ", ".join(n.name for n in self.namespaces) or "none"
-        raise KvstoreError(f"namespace: expected one of the store's ({names}), got {name!r}")
+def open_root(root: Path) -> StoreView:
+    """Check ``root`` is a kvstore store and read its namespaces; no write of any kind."""
+    store = StoreView.open(root)
+    store.namespaces  # noqa: B018 - read them now: a root that cannot be listed fails here
+    return store
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +90,7 @@ class HeldFile:
 class StoreScan:
     """Everything :func:`scan_store` found."""
 
-    store: StoreRoot
+    store: StoreView
     blocks: list[Entry] = field(default_factory=list)
     temps: list[Entry] = field(default_factory=list)
     foreign: list[Entry] = field(default_factory=list)
@@ -162,7 +99,7 @@ class StoreScan:
     removed: list[HeldFile] = field(default_factory=list)  # <root>/.trash-* directories
     # Directories that could not be listed (EACCES, EIO): their contents are not counted.
     unreadable: list[Problem] = field(default_factory=list)
-    # Namespace-like directories whose zarr.json cannot be read (StoreRoot.problems): what
+    # Namespace-like directories whose zarr.json cannot be read (StoreView.problems): what
     # could be counted of them (gc counts it against its budget; none of it is evicted).
     unusable: list[HeldFile] = field(default_factory=list)
 
@@ -172,40 +109,10 @@ class StoreScan:
         return not self.unreadable
 
 
-def list_dir(path: str | Path) -> list[tuple[str, os.stat_result]]:
-    """``(name, lstat)`` of every entry of directory ``path``, never following a link.
-
-    ``path`` itself is opened with ``O_NOFOLLOW | O_DIRECTORY``: a symbolic link, FIFO or file
-    there lists as empty (its parent's listing reports it), as does a directory that is gone.
-    Entries that vanish while listed are left out. Any other failure (EACCES, EIO, ...) raises
-    that ``OSError``. (Tests inject failures by replacing this function.)
-    """
-    try:
-        fd = os.open(path, _DIR_FLAGS)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a symbolic link: not entered
-            return []
-        raise
-    try:
-        with os.scandir(fd) as it:
-            entries = list(it)
-        out = []
-        for entry in entries:
-            try:
-                out.append((entry.name, os.stat(entry.name, dir_fd=fd, follow_symlinks=False)))
-            except FileNotFoundError:
-                continue
-        return out
-    finally:
-        os.close(fd)
-
-
 def _listing(path: str | Path, unreadable: list[Problem]) -> list[tuple[str, os.stat_result]]:
     """:func:`list_dir`, recording a directory that cannot be listed instead of raising."""
     try:
-        return list_dir(path)
+        return paths.list_dir(path)
     except OSError as exc:
         unreadable.append(Problem(Path(path), _why(exc)))
         return []
@@ -232,120 +139,9 @@ def file_kind(mode: int) -> str:
     return "special file"
 
 
-def read_document(directory: Path) -> dict[str, object] | None:
-    """``metadata.read_document`` after ``lstat`` checks that never open a hostile entry.
-
-    ``directory`` must be a real directory (a symbolic link is not read through) and its
-    ``zarr.json`` a regular file (a FIFO would block the open, a link could lead out of the
-    root): anything else is a :class:`StoreFormatError` naming what was found. None when
-    ``zarr.json`` is absent (as ``metadata.read_document``).
-    """
-    try:
-        dst = os.lstat(directory)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise StoreFormatError(f"{directory}: cannot stat ({exc.strerror})") from exc
-    if not stat.S_ISDIR(dst.st_mode):
-        raise StoreFormatError(
-            f"{directory}: expected a directory, got a {file_kind(dst.st_mode)} (not followed)"
-        )
-    path = directory / metadata.ZARR_JSON
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise StoreFormatError(f"{path}: cannot stat ({exc.strerror})") from exc
-    if not stat.S_ISREG(st.st_mode):
-        raise StoreFormatError(
-            f"{path}: expected a regular file, got a {file_kind(st.st_mode)} (never opened)"
-        )
-    return metadata.read_document(directory)
-
-
-def open_root(root: Path) -> StoreRoot:
-    """Check ``root`` is a kvstore store and read its namespaces; no write of any kind."""
-    root = root.absolute()
-    if not root.is_dir():
-        got = "a file" if root.exists() else "nothing there"
-        raise StoreFormatError(f"store root {root}: expected a kvstore store directory, got {got}")
-    doc = read_document(root)
-    if doc is None:
-        raise StoreFormatError(
-            f"store root {root}: expected a kvstore store ({metadata.ZARR_JSON} with "
-            f"attributes.kvstore), got a directory without {metadata.ZARR_JSON}"
-        )
-    attrs = metadata.kvstore_attrs(doc)
-    if attrs != metadata.STORE_ATTRS:
-        raise StoreFormatError(
-            f"store root {root}: expected attributes.kvstore = {metadata.STORE_ATTRS}, "
-            f"got {attrs or 'none'}"
-        )
-    try:
-        listed = list_dir(root)
-    except OSError as exc:
-        raise StoreFormatError(f"store root {root}: {_why(exc)}") from exc
-    namespaces: list[NamespaceInfo] = []
-    problems: list[Problem] = []
-    for name, st in listed:
-        if name.startswith(".") or not stat.S_ISDIR(st.st_mode):
-            continue
-        path = root / name
-        try:
-            ns_doc = read_document(path)
-        except StoreFormatError as exc:
-            problems.append(Problem(path, str(exc)))
-            continue
-        if ns_doc is None:
-            continue  # not a namespace: reported as foreign by scan_store
-        try:
-            namespaces.append(_namespace_info(path, ns_doc))
-        except (KvstoreError, KeyError, TypeError, ValueError) as exc:
-            problems.append(Problem(path, str(exc)))
-    namespaces.sort(key=lambda n: n.name)
-    return StoreRoot(root, tuple(namespaces), tuple(problems))
-
-
-def _namespace_info(path: Path, doc: dict[str, object]) -> NamespaceInfo:
-    attrs = metadata.kvstore_attrs(doc)
-    if "identity" not in attrs:
-        raise StoreFormatError(
-            f"{path}/{metadata.ZARR_JSON}: expected attributes.kvstore.identity of a kvstore "
-            f"namespace, got {attrs or 'none'}"
-        )
-    identity = Identity.from_json(attrs["identity"])
-    if identity.namespace != path.name:
-        raise StoreFormatError(
-            f"namespace {path.name}: its identity hashes to {identity.namespace}; the directory "
-            "was renamed or its zarr.json edited"
-        )
-    groups = tuple(
-        GroupInfo(
-            index=k,
-            path=path / f"g{k}",
-            layout=ShardLayout.for_group(spec, identity.tokens_per_block, identity.dtype.itemsize),
-            leading_dims=metadata.leading_dims(spec),
-            compression=_array_compression(path / f"g{k}"),
-        )
-        for k, spec in enumerate(identity.groups)
-    )
-    return NamespaceInfo(path.name, path, identity, groups)
-
-
-def _array_compression(array_path: Path) -> str:
-    """The compression an array's zarr.json records; "none" when it is missing or unreadable
-    (verify's metadata check reports that array separately)."""
-    try:
-        doc = read_document(array_path)
-        return "none" if doc is None else metadata.array_compression(doc, array_path)
-    except StoreFormatError:
-        return "none"
-
-
 def scan_store(
-    store: StoreRoot,
-    namespaces: Iterable[NamespaceInfo] | None = None,
+    store: StoreView,
+    namespaces: Iterable[NamespaceView] | None = None,
     *,
     on_dir: Callable[[], None] | None = None,
     arrays: bool = True,
@@ -366,17 +162,17 @@ def scan_store(
     return scan
 
 
-def fanout_dirs(namespaces: Iterable[NamespaceInfo]) -> int:
+def fanout_dirs(namespaces: Iterable[NamespaceView]) -> int:
     """How many fan-out directories :func:`scan_store` lists for ``namespaces``."""
-    return sum(len(ns.groups) for ns in namespaces) * HASH_HI_FANOUT
+    return sum(len(ns.groups) for ns in namespaces) * len(paths.FANOUT)
 
 
-def _scan_root(store: StoreRoot, scan: StoreScan) -> None:
+def _scan_root(store: StoreView, scan: StoreScan) -> None:
     problems = {p.path.name: p for p in store.problems}
     known = {ns.name for ns in store.namespaces}
     for name, st in _listing(store.root, scan.unreadable):
         path = f"{store.root}{os.sep}{name}"
-        if name == metadata.ZARR_JSON or name in known:
+        if name == ZARR_JSON or name in known:
             continue
         is_dir = stat.S_ISDIR(st.st_mode)
         if name in problems:
@@ -393,13 +189,13 @@ def _scan_root(store: StoreRoot, scan: StoreScan) -> None:
 
 
 def _scan_namespace(
-    ns: NamespaceInfo, scan: StoreScan, on_dir: Callable[[], None] | None, arrays: bool
+    ns: NamespaceView, scan: StoreScan, on_dir: Callable[[], None] | None, arrays: bool
 ) -> None:
     groups = {f"g{g.index}": g for g in ns.groups}
     for name, st in _listing(ns.path, scan.unreadable):
         path = f"{ns.path}{os.sep}{name}"
         is_dir = stat.S_ISDIR(st.st_mode)
-        if name == metadata.ZARR_JSON or (name in groups and is_dir):
+        if name == ZARR_JSON or (name in groups and is_dir):
             continue
         if name in (QUARANTINE, TRASH) and is_dir:
             held = scan.quarantine if name == QUARANTINE else scan.trash
@@ -422,7 +218,7 @@ def _scan_namespace(
 
 
 def _scan_group(
-    ns: NamespaceInfo, group: GroupInfo, scan: StoreScan, on_dir: Callable[[], None] | None
+    ns: NamespaceView, group: GroupView, scan: StoreScan, on_dir: Callable[[], None] | None
 ) -> None:
     # The array directory and the chain c/0/…/0 above the fan-out: only known names allowed,
     # each entered only if its parent's listing showed a real directory (lstat).
@@ -435,7 +231,7 @@ def _scan_group(
                 entered = True
                 continue
             if depth == 0 and (
-                (name == metadata.ZARR_JSON and stat.S_ISREG(st.st_mode))
+                (name == ZARR_JSON and stat.S_ISREG(st.st_mode))
                 or (name.startswith(DOC_TMP_PREFIX) and stat.S_ISREG(st.st_mode))
             ):
                 continue
@@ -447,7 +243,7 @@ def _scan_group(
         directory = f"{directory}{os.sep}{child}"
         child = "0"
     fanout = directory
-    valid_hi = {str(hi) for hi in range(HASH_HI_FANOUT)}
+    valid_hi = {str(hi) for hi in paths.FANOUT}
     present: list[int] = []
     for name, st in _listing(fanout, scan.unreadable):
         if name in valid_hi and stat.S_ISDIR(st.st_mode):
@@ -467,20 +263,20 @@ def _scan_group(
             if on_dir is not None:
                 on_dir()
     if on_dir is not None:
-        for _ in range(HASH_HI_FANOUT - len(present)):
+        for _ in range(len(paths.FANOUT) - len(present)):
             on_dir()
 
 
 def _list_or_error(directory: str) -> list[tuple[str, os.stat_result]] | Problem:
     try:
-        return list_dir(directory)
+        return paths.list_dir(directory)
     except OSError as exc:
         return Problem(Path(directory), _why(exc))
 
 
 def _scan_fanout(
-    ns: NamespaceInfo,
-    group: GroupInfo,
+    ns: NamespaceView,
+    group: GroupView,
     hi: int,
     directory: str,
     listed: list[tuple[str, os.stat_result]],
@@ -491,26 +287,15 @@ def _scan_fanout(
         if not stat.S_ISREG(st.st_mode):
             scan.foreign.append(_foreign(path, ns.name, group.index, st, scan))
             continue
-        lo = parse_lo(name)
+        lo = paths.parse_lo(name)
         if lo is not None:
             scan.blocks.append(_entry(BLOCK, path, ns.name, group.index, hi, lo, st))
             continue
-        # ``.<lo>.tmp-<token>`` (group_store.temp_path_for); ``<lo>.tmp-<token>`` from
-        # versions before the dot-name (still swept).
-        base, mark, _token = name.removeprefix(".").partition(TMP_MARK)
-        lo = parse_lo(base) if mark else None
+        lo = paths.parse_temp_lo(name)  # ``.<lo>.tmp-<token>``, or the shape before the dot
         if lo is not None:
             scan.temps.append(_entry(TEMP, path, ns.name, group.index, hi, lo, st))
         else:
             scan.foreign.append(_foreign(path, ns.name, group.index, st, scan))
-
-
-def parse_lo(name: str) -> int | None:
-    """``hash_lo`` of a published block's file name, None if the name is not one."""
-    if not _DECIMAL.match(name):
-        return None
-    value = int(name)
-    return value if value < (1 << HASH_LO_BITS) else None
 
 
 def tree_usage(path: str, unreadable: list[Problem] | None = None) -> tuple[int, int]:
@@ -528,7 +313,7 @@ def tree_usage(path: str, unreadable: list[Problem] | None = None) -> tuple[int,
     while pending:
         directory = pending.pop()
         try:
-            listed = list_dir(directory)
+            listed = paths.list_dir(directory)
         except OSError as exc:
             if unreadable is not None:
                 unreadable.append(Problem(Path(directory), _why(exc)))
@@ -566,7 +351,5 @@ def _foreign(
 
 def _since_ns(name: str, st: os.stat_result) -> int:
     """When a quarantined / trashed entry was put there: its name's trailing ns time."""
-    m = _TRAILING_NS.search(name)
-    if m:
-        return int(m.group(1))
-    return st.st_ctime_ns  # a rename sets the inode change time
+    since = paths.held_since_ns(name)
+    return st.st_ctime_ns if since is None else since  # a rename sets the inode change time

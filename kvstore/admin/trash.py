@@ -45,9 +45,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.admin.scan import REMOVED_PREFIX, TRASH, HeldFile, file_kind
+from kvstore.admin.scan import HeldFile, file_kind
 from kvstore.errors import KvstoreError
-from kvstore.store.page_store import QUARANTINE
+from kvstore.store.paths import QUARANTINE, REMOVED_PREFIX, TRASH
 
 DEFAULT_GRACE_S = 60.0
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK

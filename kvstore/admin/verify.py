@@ -47,21 +47,13 @@ from typing import Any
 from kvstore.admin.blockfile import BlockFault, check_block_file
 from kvstore.admin.progress import Progress
 from kvstore.admin.report import print_json, print_lines, table
-from kvstore.admin.scan import (
-    TRASH,
-    Entry,
-    NamespaceInfo,
-    fanout_dirs,
-    file_kind,
-    open_root,
-    read_document,
-    scan_store,
-)
+from kvstore.admin.scan import Entry, fanout_dirs, file_kind, open_root, scan_store
 from kvstore.admin.sizes import format_duration, format_size
 from kvstore.admin.trash import HeldDirectoryError, quarantine_file
 from kvstore.errors import StoreFormatError
 from kvstore.store import metadata
-from kvstore.store.page_store import QUARANTINE
+from kvstore.store.paths import QUARANTINE, TRASH
+from kvstore.store.view import NamespaceView, read_document
 
 DEFAULT_TMP_AGE_S = 3600.0
 ORPHAN_TEMP = "orphan-temp"
@@ -170,7 +162,7 @@ def _sample(blocks: Sequence[Entry], options: VerifyOptions) -> list[Entry]:
 
 
 def _check_blocks(
-    blocks: Sequence[Entry], namespaces: dict[str, NamespaceInfo], options: VerifyOptions
+    blocks: Sequence[Entry], namespaces: dict[str, NamespaceView], options: VerifyOptions
 ) -> tuple[int, int, list[Finding]]:
     """(blocks checked, blocks that vanished meanwhile, findings)."""
 
@@ -222,7 +214,7 @@ def _check_blocks(
     return checked, vanished, findings
 
 
-def _check_metadata(namespaces: Sequence[NamespaceInfo], options: VerifyOptions) -> list[Finding]:
+def _check_metadata(namespaces: Sequence[NamespaceView], options: VerifyOptions) -> list[Finding]:
     findings = []
     for ns in namespaces:
         for group in ns.groups:
@@ -265,7 +257,7 @@ def _fix_temp(temp: Entry, detail: str, options: VerifyOptions) -> Finding:
 
 
 def _fix_foreign(
-    entry: Entry, namespaces: dict[str, NamespaceInfo], root: Path, options: VerifyOptions
+    entry: Entry, namespaces: dict[str, NamespaceView], root: Path, options: VerifyOptions
 ) -> Finding:
     kind, detail = _describe_foreign(entry, root)
     action = None
@@ -329,7 +321,7 @@ def _unlink_link(path: str) -> str:
     return "unlinked (the link only)"
 
 
-def _quarantine(ns: NamespaceInfo, name: str, path: str) -> str:
+def _quarantine(ns: NamespaceView, name: str, path: str) -> str:
     try:
         moved = quarantine_file(ns.path, name, path)
     except HeldDirectoryError as exc:
@@ -339,7 +331,7 @@ def _quarantine(ns: NamespaceInfo, name: str, path: str) -> str:
     return _quarantined(moved, ns)
 
 
-def _quarantined(moved: str | None, ns: NamespaceInfo) -> str:
+def _quarantined(moved: str | None, ns: NamespaceView) -> str:
     if moved is None:
         return "vanished before the fix"
     return f"quarantined as {os.path.relpath(moved, ns.path.parent)}"

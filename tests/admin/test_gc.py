@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from kvstore.admin import gc
-from kvstore.admin.gc import Block, Evicted, Policy, evict
+from kvstore.admin.eviction import Block, Evicted, evict
+from kvstore.admin.gc import Policy
 from kvstore.store.group_store import temp_path_for
 from kvstore.store.types import BlockRead, ReadStatus
 from tests.admin.util import (

@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.admin import gc, scan
+from kvstore.admin import gc
 from kvstore.cli import main as admin_main
 from kvstore.inspect import source
 from kvstore.inspect.cli import main as inspect_main
+from kvstore.store import paths
 from kvstore.store.page_store import KVStore
 from kvstore.store.types import BlockRead, ReadStatus
 from tests.admin.util import NS_PER_S, age, cli_json, expected_bytes, write
@@ -223,14 +224,17 @@ def test_no_tool_hangs_on_a_fifo(populated: tuple[Path, str, list[str]], where: 
 @contextlib.contextmanager
 def unreadable(path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Make directory ``path`` unreadable: mode 000, and (root reads everything) a
-    PermissionError injected at the tools' listing calls for it."""
-    real_list_dir = scan.list_dir
+    PermissionError injected at the tools' listing calls for it (store.paths.list_dir, the
+    one listing of the admin tools and the store view; the inspect tool's own listing)."""
+    real_list_dir = paths.list_dir
     real_entries = source.list_entries
 
-    def list_dir(p: str | Path) -> list[tuple[str, os.stat_result]]:
+    def list_dir(
+        p: str | Path, *, root: str | Path | None = None
+    ) -> list[tuple[str, os.stat_result]]:
         if Path(p) == path:
             raise PermissionError(13, "Permission denied", str(p))
-        return real_list_dir(p)
+        return real_list_dir(p, root=root)
 
     def list_entries(
         r: Path, parts: Any, problems: dict[str, str]
@@ -241,7 +245,7 @@ def unreadable(path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         return real_entries(r, parts, problems)
 
     if os.geteuid() == 0:
-        monkeypatch.setattr(scan, "list_dir", list_dir)
+        monkeypatch.setattr(paths, "list_dir", list_dir)
         monkeypatch.setattr(source, "list_entries", list_entries)
     mode = stat.S_IMODE(path.stat().st_mode)
     path.chmod(0)
