@@ -41,6 +41,9 @@ class Chain:
     workdir: Path
     model: str  # driver model kind
     model_dir: Path
+    # float32, not the checkpoint's bf16: KV computed by TP=1 and by TP=2 differs in its bf16
+    # rounding, enough to flip a greedy token of an engine that loads the other's pages.
+    dtype: str = "float32"
     steps: dict[str, Step] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)
 
@@ -55,7 +58,12 @@ class Chain:
                 self.result(dependency)
             if step.before_run is not None:
                 step.before_run()
-            job = {"model": self.model, "model_dir": str(self.model_dir), **step.job}
+            job = {
+                "model": self.model,
+                "model_dir": str(self.model_dir),
+                "dtype": self.dtype,
+                **step.job,
+            }
             self.results[name] = run_engine(self.python, job, self.workdir, name)
         return self.results[name]
 

@@ -16,7 +16,7 @@ Usage::
      "model_dir": "/tmp/x/llama",
      "store_root": "/tmp/x/store" | null,   # null: no connector (the reference run)
      "connector_options": {...},            # more kv_connector_extra_config keys
-     "tp": 1, "block_size": 32, "kv_cache_layout": "LBHNC" | "BLHNC",
+     "tp": 1, "dtype": "bfloat16", "block_size": 32, "kv_cache_layout": "LBHNC" | "BLHNC",
      "widen_cpu_layouts": false,            # let the CPU backend accept BLHNC (see below)
      "max_model_len": 1024, "max_tokens": 8,
      "env": {"KVSTORE_TEST_PERTURB_LOADS": "1"},
@@ -153,6 +153,7 @@ def make_llm(
     store_root: str | None,
     connector_options: dict[str, Any] | None = None,
     tp: int = 1,
+    dtype: str = "bfloat16",
     block_size: int = 32,
     max_model_len: int = 1024,
     seed: int = 0,
@@ -160,7 +161,7 @@ def make_llm(
     """A ``vllm.LLM`` on CPU with the kvstore connector at ``store_root`` (None: without)."""
     from vllm import LLM  # noqa: PLC0415
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"dtype": dtype}
     if store_root is not None:
         from vllm.config import KVTransferConfig  # noqa: PLC0415
 
@@ -175,7 +176,6 @@ def make_llm(
     return LLM(
         model=str(model_dir),
         skip_tokenizer_init=True,
-        dtype="bfloat16",
         tensor_parallel_size=tp,
         block_size=block_size,
         max_model_len=max_model_len,
@@ -249,6 +249,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         store_root=job.get("store_root"),
         connector_options=job.get("connector_options"),
         tp=int(job.get("tp", 1)),
+        dtype=str(job.get("dtype", "bfloat16")),
         block_size=int(job.get("block_size", 32)),
         max_model_len=int(job.get("max_model_len", 1024)),
     )
