@@ -35,7 +35,6 @@ from .engine import block_files, kvstore_verify, temp_files
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 BLOCK = 32  # vLLM's CPU attention wants a multiple of 32
 PROMPT_TOKENS = 4 * BLOCK + 11  # four full blocks to store and load, then a partial one
 MAX_TOKENS = 8
@@ -43,7 +42,13 @@ SERVED_NAME = "tiny-llama"
 START_TIMEOUT_S = 420.0  # imports and engine start: ~30-60 s on 2 cores, more when shared
 REQUEST_TIMEOUT_S = 120.0
 STORE_TIMEOUT_S = 60.0
+METRICS_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 60.0
+# vLLM's own counters (Prometheus names) that show the connector's traffic.
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
+LOAD_BYTES = "vllm:kv_offload_load_bytes_total"
+STORE_BYTES = "vllm:kv_offload_store_bytes_total"
 
 
 @dataclass
@@ -190,6 +195,18 @@ def metrics(server: Server) -> dict[str, float]:
     return sums
 
 
+def settled_metrics(server: Server, *names: str) -> dict[str, float]:
+    """``/metrics`` once every counter in ``names`` is above 0, or the last scrape at the
+    deadline: vLLM updates its counters from engine outputs that may trail the HTTP reply or
+    the store's publish (the caller asserts on what it gets)."""
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while True:
+        sums = metrics(server)
+        if all(sums.get(name, 0.0) > 0 for name in names) or time.monotonic() > deadline:
+            return sums
+        time.sleep(0.5)
+
+
 def store_blocks(root: Path) -> int:
     """Published blocks in the store (0 before the server created it)."""
     return len(block_files(root)) if root.is_dir() else 0
@@ -208,12 +225,6 @@ def wait_for_blocks(root: Path, expected: int, server: Server) -> None:
     pytest.fail(f"store holds {held} blocks, expected {expected}:\n" + server.log_tail())
 
 
-EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
-EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
-LOAD_BYTES = "vllm:kv_offload_load_bytes_total"
-STORE_BYTES = "vllm:kv_offload_store_bytes_total"
-
-
 def test_serve_restart_same_output_from_store(
     tmp_path: Path, e2e_python: str, tiny_llama: Path, e2e_env: dict[str, str]
 ) -> None:
@@ -225,10 +236,10 @@ def test_serve_restart_same_output_from_store(
     with served(e2e_python, tiny_llama, root, tmp_path / "serve1.log", env) as first:
         tokens_first = complete(first, prompt)
         wait_for_blocks(root, full_blocks, first)
-        before = metrics(first)
+        before = settled_metrics(first, STORE_BYTES)
     with served(e2e_python, tiny_llama, root, tmp_path / "serve2.log", env) as second:
         tokens_second = complete(second, prompt)
-        after = metrics(second)
+        after = settled_metrics(second, EXTERNAL_HITS, LOAD_BYTES)
 
     assert len(tokens_first) == MAX_TOKENS
     assert tokens_second == tokens_first
