@@ -62,3 +62,7 @@ class EntryKindError(StoreIOError):
 
 class LayoutError(KvstoreError, ValueError):
     """A parallel layout or tensor form cannot be mapped to canonical pages (fail closed)."""
+
+
+class InspectError(KvstoreError):
+    """A request the inspection tool cannot answer: unknown namespace, ambiguous hash, ..."""

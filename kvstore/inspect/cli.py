@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.cli_args import OneLineParser, positive_int, store_root
-from kvstore.errors import KvstoreError
+from kvstore.errors import InspectError, KvstoreError
 from kvstore.inspect import block as block_view
 from kvstore.inspect import diff as diff_view
 from kvstore.inspect import overview as overview_view
@@ -45,9 +45,9 @@ from kvstore.inspect.pictures import heatmap_png, tree_png
 from kvstore.inspect.rank import RankView, format_slots, rank_view
 from kvstore.inspect.render import dumps, spans
 from kvstore.inspect.resolve import BlockRef, find_block, find_namespace, parse_range
-from kvstore.inspect.source import GroupView, InspectError, NamespaceView, StoreView
 from kvstore.inspect.stats import METRICS, StatRow, attention_stats, mla_stats
 from kvstore.inspect.values import BlockValues, format_values, load_values
+from kvstore.store.view import GroupView, NamespaceView, StoreView
 
 PROG = "kvstore-inspect"
 

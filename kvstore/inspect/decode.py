@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore.inspect.source import GroupView, InspectError
+from kvstore.errors import InspectError
+from kvstore.store.view import GroupView
 
 _RAW_NUMPY: dict[str, str] = {
     "bfloat16": "<u2",

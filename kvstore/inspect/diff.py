@@ -15,9 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.inspect.blockfile import BlockCheck, check_block, quick_header
+from kvstore.inspect.blockfile import check_block, quick_header
 from kvstore.inspect.decode import Selection, raw_array, to_float
-from kvstore.inspect.source import BlockFile, GroupView, StoreView
+from kvstore.store.check import BlockCheck
+from kvstore.store.paths import BlockFile
+from kvstore.store.view import GroupView, StoreView
 
 
 def compare_chunks(group: GroupView, left: np.ndarray, right: np.ndarray) -> list[dict[str, Any]]:

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import save_file
 
+from kvstore.errors import InspectError
 from kvstore.inspect.decode import typed_tensor
-from kvstore.inspect.source import InspectError
 from kvstore.inspect.values import BlockValues
 
 ATTENTION_AXES = ("kv_head", "layer", "token", "kv", "head_dim")

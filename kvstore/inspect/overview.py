@@ -3,7 +3,7 @@
 Without ``check`` it only lists directories and stats files (fast on any store size): a file
 whose size lies outside what its group's geometry and compression allow is counted as
 ``bad_size`` (a raw block has exactly ``file_nbytes``; a compressed one lies within
-:func:`~kvstore.admin.blockfile.size_bounds`, and may be larger than the raw file). With
+:attr:`~kvstore.store.check.ShardSpec.size_bounds`, and may be larger than the raw file). With
 ``check`` every block is read and verified like a server would (header and every inner chunk),
 and damaged ones are counted as ``damaged`` and listed.
 
@@ -15,16 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.admin.blockfile import size_bounds
 from kvstore.inspect.blockfile import check_block
-from kvstore.inspect.source import GroupView, InspectError, NamespaceView, StoreView
+from kvstore.store.view import GroupView, NamespaceView, StoreView
 
 
 def group_summary(group: GroupView, check: bool) -> dict[str, Any]:
     files = group.files()
     layout = group.layout
     spec = group.spec
-    low, high = size_bounds(layout, group.compression)
+    low, high = group.shard.size_bounds
     doc: dict[str, Any] = {
         "group": group.index,
         "kind": spec.kind,
@@ -68,17 +67,15 @@ def namespace_summary(ns: NamespaceView, check: bool) -> dict[str, Any]:
 def store_summary(store: StoreView, check: bool = False) -> dict[str, Any]:
     """The ``overview`` document of a whole store (JSON-ready). A namespace that cannot be
     read is listed under ``problems`` and the others are shown."""
-    namespaces = []
-    for name in store.namespace_names():
-        try:
-            namespaces.append(namespace_summary(store.namespace(name), check))
-        except InspectError as exc:
-            store.problems[str(store.root / name)] = str(exc)
+    names = store.namespace_names()
+    namespaces = [namespace_summary(store.namespace(n), check) for n in names]
+    # Namespace-like directories that cannot be read (a renamed one is shown, with its problem).
+    unreadable = [p.detail for p in store.problems if p.path.name not in names]
     groups = [g for ns in namespaces for g in ns["groups"]]
     return {
         "root": str(store.root),
         "checked": check,
-        "problems": list(store.problems.values()),
+        "problems": unreadable,
         "namespaces": namespaces,
         "totals": {
             "namespaces": len(namespaces),

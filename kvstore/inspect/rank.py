@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvstore.errors import InspectError
 from kvstore.identity import Identity
 from kvstore.inspect.decode import raw_numpy_dtype
 from kvstore.inspect.render import spans
-from kvstore.inspect.source import GroupView, InspectError
 from kvstore.keys import writer_election_key
 from kvstore.layout.page import scatter_blocks
 from kvstore.layout.parallel import (
@@ -38,6 +38,7 @@ from kvstore.layout.parallel import (
     RankMapping,
     map_rank,
 )
+from kvstore.store.view import GroupView
 
 _FIRST_INT = re.compile(r"\d+")
 

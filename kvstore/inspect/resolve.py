@@ -16,16 +16,11 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 
+from kvstore.errors import InspectError
 from kvstore.inspect.blockfile import quick_header
-from kvstore.inspect.source import (
-    PATH_HEX_DIGITS,
-    BlockFile,
-    GroupView,
-    InspectError,
-    NamespaceView,
-    StoreView,
-)
 from kvstore.keys import MAX_HASH_BYTES, MIN_HASH_BYTES
+from kvstore.store.paths import PATH_HEX_DIGITS, BlockFile
+from kvstore.store.view import GroupView, NamespaceView, StoreView
 
 _HEX = set(string.hexdigits.lower())
 

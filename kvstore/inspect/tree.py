@@ -23,7 +23,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from kvstore.inspect.blockfile import quick_header
-from kvstore.inspect.source import GroupView
+from kvstore.store.view import GroupView
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.inspect.blockfile import BlockCheck, check_block
+from kvstore.inspect.blockfile import check_block
 from kvstore.inspect.decode import Selection, raw_array, to_float
 from kvstore.inspect.resolve import BlockRef
-from kvstore.inspect.source import GroupView
 from kvstore.inspect.stats import StatRow, attention_stats, mla_stats
+from kvstore.store.check import BlockCheck
+from kvstore.store.view import GroupView
 
 
 @dataclass(frozen=True)

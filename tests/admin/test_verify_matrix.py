@@ -36,7 +36,7 @@ from kvstore.identity import Identity
 from kvstore.inspect.cli import main as inspect_main
 from kvstore.keys import hash_coords
 from kvstore.store import format as fmt
-from kvstore.store.compression import compressed_bounds
+from kvstore.store.codec import compressed_bounds
 from kvstore.store.group_store import GroupStore
 from kvstore.store.types import (
     BlockRead,

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from kvstore.inspect.resolve import find_block, find_namespace
-from kvstore.inspect.source import GroupView, StoreView
 from kvstore.store.format import HEADER_FIXED_NBYTES
+from kvstore.store.view import GroupView, StoreView
 from tests.inspect.conftest import Reference, Run, Space, run_json, snapshot
 
 

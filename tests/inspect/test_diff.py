@@ -11,7 +11,7 @@ import pytest
 from kvstore.inspect.decode import Selection, raw_array
 from kvstore.inspect.diff import compare_chunks
 from kvstore.inspect.resolve import find_namespace
-from kvstore.inspect.source import StoreView
+from kvstore.store.view import StoreView
 from tests.inspect.conftest import Reference, Run, run_json, to_bytes
 
 

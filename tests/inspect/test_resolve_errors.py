@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.errors import InspectError
 from kvstore.inspect.resolve import find_block, find_namespace, parse_hex, parse_range
-from kvstore.inspect.source import InspectError, StoreView
+from kvstore.store.view import StoreView
 from tests.inspect.conftest import Reference, Run
 
 

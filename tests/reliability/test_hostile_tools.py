@@ -26,14 +26,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import numpy as np
 import pytest
 
 from kvstore.admin import gc
 from kvstore.cli import main as admin_main
-from kvstore.inspect import source
 from kvstore.inspect.cli import main as inspect_main
 from kvstore.store import paths
 from kvstore.store.page_store import KVStore
@@ -224,10 +222,8 @@ def test_no_tool_hangs_on_a_fifo(populated: tuple[Path, str, list[str]], where: 
 @contextlib.contextmanager
 def unreadable(path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Make directory ``path`` unreadable: mode 000, and (root reads everything) a
-    PermissionError injected at the tools' listing calls for it (store.paths.list_dir, the
-    one listing of the admin tools and the store view; the inspect tool's own listing)."""
+    PermissionError injected at the one listing every tool goes through (store.paths)."""
     real_list_dir = paths.list_dir
-    real_entries = source.list_entries
 
     def list_dir(
         p: str | Path, *, root: str | Path | None = None
@@ -236,17 +232,8 @@ def unreadable(path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             raise PermissionError(13, "Permission denied", str(p))
         return real_list_dir(p, root=root)
 
-    def list_entries(
-        r: Path, parts: Any, problems: dict[str, str]
-    ) -> list[tuple[str, os.stat_result]]:
-        if Path(r).joinpath(*parts) == path:
-            problems[str(path)] = f"{path}: cannot list ([Errno 13] Permission denied)"
-            return []
-        return real_entries(r, parts, problems)
-
     if os.geteuid() == 0:
         monkeypatch.setattr(paths, "list_dir", list_dir)
-        monkeypatch.setattr(source, "list_entries", list_entries)
     mode = stat.S_IMODE(path.stat().st_mode)
     path.chmod(0)
     try:

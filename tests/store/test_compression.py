@@ -21,7 +21,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.identity import Identity
 from kvstore.store import format as fmt
-from kvstore.store.compression import compressed_bounds, decode_index
+from kvstore.store.codec import compressed_bounds, decode_index
 from kvstore.store.group_store import GroupStore
 from kvstore.store.page_store import KVStore
 from kvstore.store.types import BlockRead, BlockWrite, ChunkWrite, ReadStatus, WriteStatus
@@ -340,7 +340,7 @@ def test_admin_verify_checks_compressed_blocks(
 def test_inspect_reads_compressed_values(make_store: StoreFactory, root: Path) -> None:
     """The offline inspection tool checks compressed blocks and decodes their values."""
     from kvstore.inspect.blockfile import check_block, quick_header  # noqa: PLC0415
-    from kvstore.inspect.source import StoreView  # noqa: PLC0415
+    from kvstore.store.view import StoreView  # noqa: PLC0415
 
     identity = make_small_identity()
     group = make_store(compression="lz4").namespace(identity).group(0)
