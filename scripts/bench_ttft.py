@@ -15,8 +15,8 @@ warm-up request of its own):
 * ``recompute``: vLLM without any connector: the whole prompt is prefilled;
 * ``store``: vLLM with kvstore on an empty store: prefilled again (the connector's cost on a
   miss), and every full prompt block stored; the process waits until the store holds them all;
-* ``load``: a **new** engine process on the same store: the prompt blocks are loaded, only the
-  last block is computed.
+* ``load``: a **new** engine process on the same store: the full prompt blocks are loaded, only
+  the rest (at least the last token) is computed.
 
 Time to first token is the wall time of ``LLM.generate`` for one prompt with ``max_tokens=1``
 (greedy), as a client of the offline API sees it, including the connector's lookup step. The
@@ -273,12 +273,15 @@ def run_phase(phase: str, spec: dict[str, Any]) -> int:
         cached.append(out.num_cached_tokens or 0)
     if phase == "store":
         wait_for_blocks(Path(spec["root"]), spec["expect_blocks"])
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
     result = {
         "phase": phase,
         "ttft_s": ttft,
         "first_token": first,
         "cached_tokens": cached,
         "counters": vllm_counters(llm),
+        # vLLM's own choice (not set here): a prompt longer than this is prefilled in chunks.
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
         "vllm": vllm.__version__,
         "torch": torch.__version__,
     }
@@ -358,6 +361,7 @@ def markdown_section(result: dict[str, Any]) -> str:
     hits = int(counters.get("vllm:external_prefix_cache_hits", 0))
     load_mib = counters.get("vllm:kv_offload_load_bytes", 0) / 2**20
     ratio_spread = f"{min(result['ratio']):.1f}-{max(result['ratio']):.1f}"
+    batched = phases["recompute"].get("max_num_batched_tokens", "?")
     model = (
         f"{cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
         f"{cfg['num_attention_heads']} attention / {cfg['num_key_value_heads']} KV heads, "
@@ -383,7 +387,8 @@ def markdown_section(result: dict[str, Any]) -> str:
             "engine processes, one after the other: `recompute` (no connector), `store` "
             "(kvstore on an empty store: prefilled, every prompt block stored) and `load` (a new "
             "process on the same store). Time to first token = wall time of `LLM.generate` "
-            "with `max_tokens=1`, after one warm-up request per process.",
+            "with `max_tokens=1`, after one warm-up request per process. Otherwise vLLM's "
+            f"defaults (torch.compile, {batched} tokens per step).",
             "",
             "| | median s | min-max s |",
             "|---|---|---|",
