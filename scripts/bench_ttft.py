@@ -146,7 +146,7 @@ def build_model(config: dict[str, Any], out: Path) -> None:
 def run_bench(args: argparse.Namespace, work: Path, command: str) -> dict[str, Any]:
     config = model_config(args)
     model_dir = work / "model"
-    t0 = time.perf_counter()
+    started = t0 = time.perf_counter()
     build_model(config, model_dir)
     print(f"model built in {time.perf_counter() - t0:.1f} s: {model_dir}", file=sys.stderr)
     rng = random.Random(1234)
@@ -199,6 +199,7 @@ def run_bench(args: argparse.Namespace, work: Path, command: str) -> dict[str, A
     loadable = full_blocks * args.block_size
     return {
         "command": command,
+        "wall_s": time.perf_counter() - started,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": (
             f"{os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}"
@@ -388,7 +389,8 @@ def markdown_section(result: dict[str, Any]) -> str:
             "(kvstore on an empty store: prefilled, every prompt block stored) and `load` (a new "
             "process on the same store). Time to first token = wall time of `LLM.generate` "
             "with `max_tokens=1`, after one warm-up request per process. Otherwise vLLM's "
-            f"defaults (torch.compile, {batched} tokens per step).",
+            f"defaults (not eager, {batched} tokens per step). The whole run took "
+            f"{result.get('wall_s', 0):.0f} s, mostly the three engine starts.",
             "",
             "| | median s | min-max s |",
             "|---|---|---|",
