@@ -1,4 +1,6 @@
-"""vLLM 0.33 connector for kvstore: persist KV pages from vLLM's KV cache into a kvstore.
+"""vLLM connector for kvstore: persist KV pages from vLLM's KV cache into a kvstore.
+
+vLLM 0.32.x and 0.33.x (their differences: :mod:`connector.compat`).
 
 Entry points (loaded by vLLM by name; see docs/vllm.md):
 

@@ -26,7 +26,8 @@ from typing import Any
 from kvstore import ConfigError, StoreConfig
 
 # Keys of kv_connector_extra_config that vLLM 0.33 itself reads (offloading/config.py,
-# kv_offload/base.py, offloading/scheduler.py, kv_offload/factory.py).
+# kv_offload/base.py, offloading/scheduler.py, kv_offload/factory.py); 0.32 reads all of them
+# but sync_load_budget_bytes.
 VLLM_KEYS = frozenset(
     {
         "spec_name",

@@ -326,7 +326,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         if index is None:
             index = _ParentIndex()
             req_context.set_state(index)
-        # vLLM 0.33 records every key's end token in this table (ReqContext has no public
+        # vLLM (0.32, 0.33) records every key's end token in this table (ReqContext has no public
         # iterator); index the entries added since the last call.
         positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
         if len(positions) > index.seen:  # the table only grows, in insertion order

@@ -1,7 +1,7 @@
 """``KVStoreConnector``: vLLM's OffloadingConnector plus load-failure reporting.
 
-vLLM 0.33's offloading worker asserts that every transfer succeeded, so a missing or corrupt
-block would crash the engine. This subclass changes nothing else; it
+vLLM's offloading worker (0.32 and 0.33) asserts that every transfer succeeded, so a missing
+or corrupt block would crash the engine. This subclass changes nothing else; it
 
 * hands the engine facts to :class:`connector.spec.KVStoreSpec` while vLLM builds it, and
   vLLM's typed layer views to it before the worker is built;

@@ -12,7 +12,7 @@
   them into its pages (:meth:`RankIO.load`); ``wait`` returns only when the bytes are on the
   device.
 * Every job is reported by ``get_finished``, empty ones included, always as a success: vLLM
-  0.33 asserts that transfers succeed. What failed is kept for the connector
+  (0.32, 0.33) asserts that transfers succeed. What failed is kept for the connector
   (:class:`connector.vllm_connector.KVStoreConnector`) to report: GPU block ids of failed
   loads (``get_block_ids_with_load_errors``), requests whose load failed (multi-group
   models), and the keys of failed stores and loads (sent to the scheduler, which then does not
@@ -195,7 +195,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
             results.append(
                 TransferResult(
                     job_id=job_id,
-                    success=True,  # vLLM 0.33 asserts success; failures are reported apart
+                    success=True,  # vLLM asserts success; failures are reported apart
                     transfer_size=outcome.nbytes,
                     transfer_time=time.monotonic() - job.started,
                 )
