@@ -14,7 +14,7 @@ import pytest
 from kvstore.config import StoreConfig
 from kvstore.identity import Identity
 from kvstore.io.fileio import FileIO
-from kvstore.store import group_store
+from kvstore.store import pending, publish, read
 from kvstore.store.page_store import KVStore
 from tests.helpers import (
     FROZEN_NS,
@@ -86,5 +86,6 @@ def frozen_time(monkeypatch: pytest.MonkeyPatch) -> int:
         def time_ns() -> int:
             return FROZEN_NS
 
-    monkeypatch.setattr(group_store, "time", _Clock)
+    for module in (publish, pending, read):  # where blocks get their times
+        monkeypatch.setattr(module, "time", _Clock)
     return FROZEN_NS

@@ -25,8 +25,9 @@ from kvstore.config import StoreConfig
 from kvstore.identity import GroupSpec, Identity, attention_group
 from kvstore.io.fileio import FileIO
 from kvstore.store.format import ShardLayout
-from kvstore.store.group_store import TMP_MARK, GroupStore
+from kvstore.store.group_store import GroupStore
 from kvstore.store.page_store import KVStore
+from kvstore.store.paths import TMP_MARK
 from kvstore.store.types import ChunkWrite, PendingBlock
 
 StoreFactory = Callable[..., KVStore]

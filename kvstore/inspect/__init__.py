@@ -1,11 +1,11 @@
 """``kvstore-inspect``: look inside a store directory cold, read only (DESIGN.md §1, user 2).
 
 Works on a store copied from another machine, with neither vLLM nor a GPU. Nothing in this
-package writes to a store: no probe files, no directories, no quarantine (see
-:mod:`.source`). Modules, one job each:
+package writes to a store: no probe files, no directories, no quarantine (stores are opened
+through the read-only :mod:`kvstore.store.view`). Modules, one job each:
 
-* :mod:`.source` - read-only store / namespace / group views, block file listings;
-* :mod:`.blockfile` - verify one shard file and read its chunks, reporting damage;
+* :mod:`.blockfile` - verify one shard file and read its chunks, reporting damage (the one
+  block check, :mod:`kvstore.store.check`);
 * :mod:`.resolve` - namespace names, hash prefixes, head / layer ranges;
 * :mod:`.decode` - stored bits to numpy / torch arrays of the real dtype;
 * :mod:`.values`, :mod:`.stats` - decoded selections and their statistics;

@@ -127,7 +127,7 @@ def rename_noreplace(src: str, dst: str) -> None:
        brick ``dst`` hashes to; otherwise DHT makes it two steps (a link file on ``dst``'s
        brick, then the link on ``src``'s) that ignore the first step's EEXIST, and two nodes
        racing can both succeed. kvstore's rsync-style temporary names
-       (``.<name>.tmp-<token>``, :func:`kvstore.store.group_store.temp_path_for`) are placed on
+       (``.<name>.tmp-<token>``, :func:`kvstore.store.paths.temp_path_for`) are placed on
        ``<name>``'s brick by GlusterFS's default ``rsync-hash-regex``
        (docs/shared-filesystems.md). Checking ``dst``'s inode after ``link`` would not catch
        that race: each client then resolves ``dst`` to its own copy.

@@ -58,161 +58,36 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
-from numcodecs import blosc
 
-from kvstore.checksum import checksum_function, crc32c
-from kvstore.config import check_compression
+from kvstore.checksum import checksum_function
 from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError, KvstoreError
 from kvstore.io.buffers import ThreadStaging
+from kvstore.io.engine import Engine
 from kvstore.io.fileio import FileId, corrupt_file_is, read_fully
+from kvstore.io.types import Segment
+from kvstore.store import check
 from kvstore.store import format as fmt
-from kvstore.store.format import ShardLayout
+from kvstore.store.check import ShardSpec
+from kvstore.store.codec import Codec, compressed_bounds, decode_index, encode_index
+from kvstore.store.segments import consecutive_runs
 from kvstore.store.types import PendingBlock
-
-if TYPE_CHECKING:
-    from kvstore.io.types import Segment
-    from kvstore.store.group_store import GroupStore
-
-# blosc1 frame header: version, versionlz, flags, typesize, nbytes, blocksize, cbytes.
-_BLOSC_HEADER = struct.Struct("<BBBBIII")
-BLOSC_OVERHEAD = 16  # blosc1 header; an incompressible chunk is stored with exactly this much more
-_LZ4_CLEVEL = 5
-
-
-@dataclass(frozen=True)
-class Codec:
-    """A compression setting for one array: blosc with bit shuffle."""
-
-    name: str  # the config name: "lz4", "zstd-3"
-    cname: str  # blosc compressor
-    clevel: int  # blosc compression level
-    typesize: int  # element size in bytes (the unit bit shuffle transposes)
-
-    @classmethod
-    def for_name(cls, name: str, itemsize: int) -> Codec | None:
-        """The codec of config name ``name`` (None for "none"); ConfigError if unknown."""
-        check_compression(name)
-        if name == "none":
-            return None
-        if name == "lz4":
-            return cls(name, "lz4", _LZ4_CLEVEL, itemsize)
-        return cls(name, "zstd", int(name.split("-", 1)[1]), itemsize)
-
-    def zarr_config(self) -> dict[str, Any]:
-        """The blosc codec's configuration in zarr.json."""
-        return {
-            "typesize": self.typesize,
-            "cname": self.cname,
-            "clevel": self.clevel,
-            "shuffle": "bitshuffle",
-            "blocksize": 0,
-        }
-
-    @staticmethod
-    def max_stored_nbytes(chunk_nbytes: int) -> int:
-        """The largest valid stored chunk: blosc never expands by more than its header."""
-        return chunk_nbytes + BLOSC_OVERHEAD
-
-    def compress(self, data: memoryview) -> bytes:
-        """The stored bytes of one raw chunk (a blosc1 frame). Releases the GIL."""
-        out: bytes = blosc.compress(
-            data, self.cname.encode(), self.clevel, blosc.BITSHUFFLE, 0, typesize=self.typesize
-        )
-        return out
-
-    @staticmethod
-    def decompress_into(stored: memoryview, out: memoryview) -> None:
-        """Decode one stored chunk into ``out`` (exactly its raw size); CorruptBlockError if the
-        frame does not describe exactly ``len(out)`` bytes stored in ``len(stored)``."""
-        if len(stored) < _BLOSC_HEADER.size:
-            raise CorruptBlockError(f"compressed chunk: {len(stored)} bytes, no blosc header")
-        _, _, _, _, nbytes, _, cbytes = _BLOSC_HEADER.unpack_from(stored)
-        if nbytes != len(out) or cbytes != len(stored):
-            raise CorruptBlockError(
-                f"compressed chunk: expected {len(out)} bytes stored in {len(stored)}, the blosc "
-                f"header says {nbytes} in {cbytes}"
-            )
-        try:
-            blosc.decompress(stored, out)
-        except (RuntimeError, ValueError) as exc:
-            raise CorruptBlockError(f"compressed chunk does not decode: {exc}") from None
-
-
-def codec_for(name: str, itemsize: int) -> Codec | None:
-    """:meth:`Codec.for_name`."""
-    return Codec.for_name(name, itemsize)
-
-
-def compressed_bounds(layout: ShardLayout) -> tuple[int, int]:
-    """(smallest, largest) size of a valid compressed shard file of ``layout``."""
-    fixed = layout.header_nbytes + layout.index_nbytes
-    return (
-        fixed + layout.num_chunks * _BLOSC_HEADER.size,
-        fixed + layout.num_chunks * Codec.max_stored_nbytes(layout.chunk_nbytes),
-    )
-
-
-def encode_index(sizes: Sequence[int], data_offset: int) -> bytes:
-    """The standard sharding index of chunks packed back to back from ``data_offset``."""
-    entries = np.empty((len(sizes), 2), dtype="<u8")
-    lengths = np.asarray(sizes, dtype=np.uint64)
-    entries[:, 1] = lengths
-    entries[:, 0] = data_offset + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
-    raw = entries.tobytes()
-    return raw + struct.pack("<I", crc32c(raw))
-
-
-def decode_index(index: memoryview, layout: ShardLayout, file_nbytes: int) -> np.ndarray:
-    """Stored chunk offsets (n+1 of them: chunk c is ``[off[c], off[c+1])``) from the index.
-
-    CorruptBlockError unless the crc matches and the entries describe exactly the packed layout
-    with every stored chunk between a blosc header and ``chunk_nbytes + 16`` bytes.
-    """
-    n = layout.num_chunks
-    if len(index) != layout.index_nbytes:
-        raise CorruptBlockError(f"index: expected {layout.index_nbytes} bytes, got {len(index)}")
-    raw = index[: 16 * n]
-    (stored_crc,) = struct.unpack_from("<I", index, 16 * n)
-    if crc32c(raw) != stored_crc:
-        raise CorruptBlockError("sharding index checksum mismatch")
-    entries = np.frombuffer(raw, dtype="<u8").reshape(n, 2).astype(np.int64)
-    sizes = entries[:, 1]
-    data_end = file_nbytes - layout.index_nbytes
-    if (sizes < _BLOSC_HEADER.size).any() or (
-        sizes > Codec.max_stored_nbytes(layout.chunk_nbytes)
-    ).any():
-        raise CorruptBlockError(
-            f"sharding index: stored chunk sizes must lie in [{_BLOSC_HEADER.size}, "
-            f"{Codec.max_stored_nbytes(layout.chunk_nbytes)}]"
-        )
-    offsets = np.empty(n + 1, dtype=np.int64)
-    offsets[0] = layout.data_offset
-    np.cumsum(sizes, out=offsets[1:])
-    offsets[1:] += layout.data_offset
-    if not (entries[:, 0] == offsets[:-1]).all() or offsets[-1] != data_end:
-        raise CorruptBlockError(
-            "sharding index: expected the chunks packed back to back from "
-            f"{layout.data_offset} to {data_end}"
-        )
-    return offsets
 
 
 class CompressedShards:
     """Whole-block writes, reads and commits of one compressed group array."""
 
-    def __init__(self, group: GroupStore, codec: Codec) -> None:
-        self.group = group
+    def __init__(self, codec: Codec, shard: ShardSpec, engine: Engine) -> None:
         self.codec = codec
-        self.layout = group.layout
-        self._fio = group.engine.fio
+        self.shard = shard  # the array's layout, namespace digest and group
+        self.layout = shard.layout
+        self.engine = engine
+        self._fio = engine.fio
         self._staging = ThreadStaging()
-        self.min_file, self.max_file = compressed_bounds(group.layout)
+        self.min_file, self.max_file = compressed_bounds(shard.layout)
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -239,8 +114,8 @@ class CompressedShards:
         header = bytearray(layout.header_nbytes)
         fixed = fmt.encode_fixed_header(
             layout,
-            self.group.namespace_digest,
-            self.group.index,
+            self.shard.namespace_digest,
+            self.shard.group,
             block_hash,
             parent,
             algo,
@@ -265,10 +140,12 @@ class CompressedShards:
         packed_tmp: str,
         final: str,
         pending: PendingBlock,
+        publish: Callable[[str, str], FileId | None],
         slot_writes: Sequence[Segment] = (),
     ) -> FileId | None:
-        """Compress the complete raw temporary file of a multi-writer block and publish it;
-        returns what :meth:`GroupStore.publish_name` returns.
+        """Compress the complete raw temporary file of a multi-writer block and publish it
+        with ``publish(temporary, final)`` (:meth:`kvstore.store.publish.Publisher.publish_name`),
+        returning what it returns.
 
         ``slot_writes`` are the checksum slots the committer computed for range-written chunks.
         Every chunk is checked against its slot, so bytes torn between the writers and the
@@ -279,7 +156,7 @@ class CompressedShards:
         staging = self._staging.get(layout.file_nbytes).data
         header = staging[: layout.header_nbytes]
         view = staging[layout.data_offset : layout.data_end]
-        self.group.engine.read_file(
+        self.engine.read_file(
             raw_tmp,
             [(0, header), (layout.data_offset, view)],
             layout.file_nbytes,
@@ -305,8 +182,8 @@ class CompressedShards:
             stride,
         )
         try:
-            self.group.engine.write_file(packed_tmp, segments, file_nbytes, exclusive=True)
-            published = self.group.publish_name(packed_tmp, final)
+            self.engine.write_file(packed_tmp, segments, file_nbytes, exclusive=True)
+            published = publish(packed_tmp, final)
         except BaseException:
             with contextlib.suppress(OSError):
                 self._fio.unlink(packed_tmp)
@@ -370,22 +247,15 @@ class CompressedShards:
                 index = staging[layout.header_nbytes : layout.header_nbytes + layout.index_nbytes]
                 _read_exact(fio, fd, [header], 0)
                 _read_exact(fio, fd, [index], size - layout.index_nbytes)
-            decoded = fmt.decode_header(header)
-            fmt.check_header(
-                decoded,
-                layout,
-                self.group.namespace_digest,
-                self.group.index,
-                block_hash,
-                compressed_file_nbytes=size,
-            )
+            decoded = check.check_header(header, self.shard, block_hash, size)
             offsets = decode_index(index, layout, size)
             if not whole:
                 # The stored runs go to staging past the header and index copies.
                 base = layout.header_nbytes + layout.index_nbytes
                 stored_at = layout.data_offset - base
-                for first, last in _runs(chunks):
-                    start, end = int(offsets[first]), int(offsets[last + 1])
+                wanted = sorted(set(chunks))
+                for i, j in consecutive_runs(wanted):
+                    start, end = int(offsets[wanted[i]]), int(offsets[wanted[j - 1] + 1])
                     _read_exact(fio, fd, [staging[start - stored_at : end - stored_at]], start)
             if st.st_mtime_ns < touch_if_older_than_ns:
                 # Last-use tracking is best effort (read-only mount, foreign owner).
@@ -394,7 +264,7 @@ class CompressedShards:
         finally:
             fio.close(fd)
         slots = fmt.decode_checksums(header, layout.num_chunks)
-        fn = checksum_function(decoded.checksum_algo) if verify else None
+        fn = check.chunk_checksum(decoded.checksum_algo) if verify else None
         size_raw = layout.chunk_nbytes
         for i, c in enumerate(chunks):
             stored = staging[int(offsets[c]) - stored_at : int(offsets[c + 1]) - stored_at]
@@ -420,52 +290,8 @@ class CompressedShards:
             _read_exact(fio, fd, [memoryview(header)], 0)
         finally:
             fio.close(fd)
-        decoded = fmt.decode_header(header)
-        fmt.check_header(
-            decoded,
-            layout,
-            self.group.namespace_digest,
-            self.group.index,
-            block_hash,
-            compressed_file_nbytes=size,
-        )
+        decoded = check.check_header(header, self.shard, block_hash, size)
         return decoded, fmt.decode_checksums(header, layout.num_chunks).copy()
-
-
-def check_compressed_file(
-    data: memoryview, layout: ShardLayout, codec: Codec, namespace_digest: bytes, group: int
-) -> fmt.BlockHeader:
-    """Check a whole compressed shard file held in memory, as a reader would, and more (tools).
-
-    Size bounds, header (self-check, namespace, group, geometry, compressed flag, size; the key
-    is the header's own hash: callers compare it with the path), zero bytes in the header's
-    unused tail, the index, every stored chunk's checksum, and that every chunk decodes.
-    Returns the header; :class:`CorruptBlockError` names the first problem.
-    """
-    size = len(data)
-    low, high = compressed_bounds(layout)
-    if not low <= size <= high:
-        raise CorruptBlockError(f"file size: expected {low}..{high} bytes, got {size}")
-    header = fmt.decode_header(data[: layout.header_nbytes])
-    fmt.check_header(
-        header, layout, namespace_digest, group, header.block_hash, compressed_file_nbytes=size
-    )
-    raw = np.frombuffer(data, dtype=np.uint8)
-    if (
-        raw[fmt.HEADER_FIXED_NBYTES - 4 : fmt.HEADER_FIXED_NBYTES].any()
-        or raw[fmt.checksum_slot_offset(layout.num_chunks) : layout.header_nbytes].any()
-    ):
-        raise CorruptBlockError("header padding: expected zero bytes, got non-zero")
-    offsets = decode_index(data[size - layout.index_nbytes :], layout, size)
-    fn = checksum_function(header.checksum_algo)
-    slots = fmt.decode_checksums(data[: layout.header_nbytes], layout.num_chunks)
-    scratch = memoryview(bytearray(layout.chunk_nbytes))
-    for c in range(layout.num_chunks):
-        stored = data[int(offsets[c]) : int(offsets[c + 1])]
-        if fn(stored) != slots[c]:
-            raise CorruptBlockError(f"checksum mismatch in inner chunk {c}")
-        codec.decompress_into(stored, scratch)
-    return header
 
 
 def check_array_compression(stored: str, wanted: str, where: str) -> None:
@@ -483,14 +309,3 @@ def _read_exact(fio: Any, fd: int, buffers: list[Any], offset: int) -> None:
     got = read_fully(fio, fd, buffers, offset)
     if got != want:
         raise CorruptBlockError(f"short read at {offset}: expected {want}, got {got}")
-
-
-def _runs(chunks: Sequence[int]) -> list[tuple[int, int]]:
-    """(first, last) chunk numbers of the consecutive runs in ``chunks`` (sorted input)."""
-    runs: list[tuple[int, int]] = []
-    for c in sorted(chunks):
-        if runs and c == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], c)
-        elif not runs or c > runs[-1][1]:
-            runs.append((c, c))
-    return runs

@@ -1,4 +1,10 @@
-"""Longest-prefix search over a hash chain.
+"""Lookups: existence probes of published blocks, and the longest-prefix search over a chain.
+
+:class:`Lookup` answers :meth:`GroupStore.contains <kvstore.store.group_store.GroupStore.contains>`
+and :meth:`~kvstore.store.group_store.GroupStore.longest_prefix` with existence probes of shard
+paths; a probe that fails with an I/O error is a miss (counted, one log line per call).
+
+Longest-prefix search over a hash chain:
 
 Block hashes chain (each block's hash covers its parent's), and eviction removes leaves of
 prefix chains first, so the blocks of a chain that are present are normally a prefix of it.
@@ -11,7 +17,17 @@ missing; a hole no probe visited is caught when the block is read (a miss, then 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from kvstore.keys import check_hash
+from kvstore.store.array import GroupArray
+
+log = logging.getLogger("kvstore")
+
+SLOW_PROBE_S = 50e-6  # an existence probe slower than this is a network round trip
 
 
 def longest_present_prefix(n: int, present: Callable[[int], bool]) -> int:
@@ -55,3 +71,85 @@ def _first_sampled_hole(length: int, probe: Callable[[int], bool]) -> int | None
         if not probe(i):
             return i
     return None
+
+
+class Lookup:
+    """Existence probes of one group array's published block files."""
+
+    def __init__(self, array: GroupArray) -> None:
+        self.array = array
+
+    def contains(self, hashes: Sequence[bytes]) -> list[bool]:
+        """For each hash, whether a published block exists (no content check).
+
+        A probe that fails with an I/O error (EIO, EACCES, ...) answers "absent": a lookup is a
+        cache question, and a miss only costs recompute. One log line per call.
+
+        When the first probes are slow (a shared file system: each one a network round trip,
+        a FUSE or NFS LOOKUP) the rest run on the I/O threads, overlapping up to
+        ``io_threads`` round trips (measured on GlusterFS: docs/shared-filesystems.md); on a
+        local disk (a few microseconds each) they stay on this thread.
+        """
+        probe = _Probe(self.array)
+        checked = [check_hash(h) for h in hashes]
+        started = time.perf_counter()
+        found: list[bool | BaseException] = [probe(h) for h in checked[:2]]
+        rest = checked[2:]
+        if len(rest) > 1 and time.perf_counter() - started > len(found) * SLOW_PROBE_S:
+            found += self.array.engine.map(probe, rest)
+        else:
+            found += [probe(h) for h in rest]
+        probe.done(lookups=0)
+        for result in found:
+            if isinstance(result, BaseException):  # not an I/O error (those are misses): a bug
+                raise result
+        return [bool(f) for f in found]
+
+    def longest_prefix(self, chain: Sequence[bytes]) -> int:
+        """Number of leading blocks of ``chain`` (hashes of consecutive blocks) present.
+
+        Binary search over existence probes, relying on chains being prefix-closed (eviction
+        removes leaves first), then verified: positions spaced exponentially below the answer
+        are probed too, and a hole found there shortens the answer. O(log n) probes. A probe
+        that fails with an I/O error answers "absent", as in :meth:`contains`.
+        """
+        probe = _Probe(self.array)
+        result = longest_present_prefix(len(chain), lambda i: probe(check_hash(chain[i])))
+        probe.done(lookups=1)
+        return result
+
+
+class _Probe:
+    """Existence probes of one lookup call: I/O errors are misses, counted and logged once."""
+
+    def __init__(self, array: GroupArray) -> None:
+        self._array = array
+        self._exists = array.fio.exists
+        self.probes = 0
+        self.errors = 0
+        self._first: OSError | None = None
+        self._lock = threading.Lock()  # contains() probes from the I/O threads
+
+    def __call__(self, block_hash: bytes) -> bool:
+        try:
+            found = self._exists(self._array.block_path(block_hash))
+        except OSError as exc:
+            with self._lock:
+                self.errors += 1
+                self._first = self._first or exc
+            found = False
+        with self._lock:
+            self.probes += 1
+        return found
+
+    def done(self, lookups: int) -> None:
+        array = self._array
+        array.stats.add(lookups=lookups, probes=self.probes, read_errors=self.errors)
+        if self._first is not None:
+            log.warning(
+                "kvstore: %d of %d existence probes in %s failed (first: %s); answered as misses",
+                self.errors,
+                self.probes,
+                array.label,
+                self._first,
+            )

@@ -24,7 +24,7 @@ from kvstore.config import COMPRESSION_NAME
 from kvstore.errors import StoreFormatError
 from kvstore.identity import GroupSpec, Identity
 from kvstore.io.fileio import FileIO, describe_kind, describe_os_error, sync_parents, write_fully
-from kvstore.store.compression import Codec
+from kvstore.store.codec import Codec
 from kvstore.store.format import FORMAT_VERSION, ShardLayout
 
 STORE_ATTRS: dict[str, Any] = {"format": "kvstore", "version": FORMAT_VERSION}

@@ -32,12 +32,13 @@ from kvstore.io.host import PROBE_PREFIX
 from kvstore.io.select import Probes, select_engine
 from kvstore.io.staging import Staging
 from kvstore.store import metadata
+from kvstore.store.array import GroupArray
 from kvstore.store.compression import check_array_compression
 from kvstore.store.format import ShardLayout
 from kvstore.store.group_store import GroupStore
+from kvstore.store.paths import FANOUT, QUARANTINE, ArrayPaths, array_dir
 from kvstore.store.types import StoreStats
 
-QUARANTINE = "quarantine"
 # What Identity.namespace produces; anything else (.., /, a symlink trick) is refused.
 NAMESPACE_NAME = re.compile(r"[a-z0-9_][a-z0-9._-]*-[0-9a-f]{12}")
 
@@ -203,7 +204,7 @@ class Namespace:
     def _open_group(self, index: int) -> GroupStore:
         identity = self.identity
         spec = identity.groups[index]
-        array_path = self.path / f"g{index}"
+        array_path = array_dir(self.path, index)
         # Before anything is read or created there: a link at g<k> (or below) would send the
         # array's documents and blocks out of the root.
         root = self.store.root
@@ -229,30 +230,28 @@ class Namespace:
                 f"{array_path}/zarr.json: expected the array document of format v1 for this "
                 "identity, got a different one (edited, or written by another kvstore version)"
             )
-        leading = metadata.leading_dims(spec)
-        group = GroupStore(
+        array = GroupArray(
             namespace=self.name,
             namespace_digest=self.digest,
             index=index,
             spec=spec,
             layout=ShardLayout.for_group(spec, identity.tokens_per_block, identity.dtype.itemsize),
-            array_path=array_path,
+            paths=ArrayPaths(array_path, metadata.leading_dims(spec)),
             engine=self.store.engine,
-            leading_dims=leading,
             stats=self.store.stats,
             checksum=self.store.checksum,
             verify_reads=config.verify_reads,
             quarantine_dir=self.path / QUARANTINE if config.quarantine else None,
             read_only=self.store.read_only,
             compression=compression,
-            staging=self.store.staging,
         )
+        group = GroupStore(array, self.store.staging)
         _refuse_symlinks(root, group.fanout_dir(0).parent)
-        for hi in range(256):
+        for hi in FANOUT:
             _refuse_symlinks(group.fanout_dir(hi).parent, group.fanout_dir(hi))
         if created:  # pre-create the fan-out so block writes never mkdir
             made: list[str] = []
-            for hi in range(256):
+            for hi in FANOUT:
                 made += self.store.fio.makedirs(str(group.fanout_dir(hi)), config.dir_mode)
             if config.durable:
                 sync_parents(self.store.fio, made)

@@ -16,7 +16,7 @@ import pytest
 from kvstore.admin import gc
 from kvstore.admin.eviction import Block, Evicted, evict
 from kvstore.admin.gc import Policy
-from kvstore.store.group_store import temp_path_for
+from kvstore.store.paths import temp_path_for
 from kvstore.store.types import BlockRead, ReadStatus
 from tests.admin.util import (
     NS_PER_S,

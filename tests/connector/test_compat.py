@@ -24,7 +24,7 @@ from connector import compat
 from connector.manager import KVStoreManager
 from connector.vllm_connector import KVStoreConnector, KVStoreWorkerMetadata
 from kvstore import ConfigError
-from kvstore.store.group_store import TMP_MARK
+from kvstore.store.paths import TMP_MARK
 
 from .harness import BLOCK, Engine, EngineOptions, prompt
 

@@ -26,7 +26,7 @@ import connector.spec
 from connector.specs import KVStoreLoadSpec
 from kvstore import KVStore, StoreConfig, StoreFormatError
 from kvstore.io.fileio import FileIO
-from kvstore.store.group_store import TMP_MARK
+from kvstore.store.paths import TMP_MARK
 
 from .harness import BLOCK, Engine, EngineOptions, prompt
 

@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.base import (
 from connector.manager import KVStoreManager
 from connector.specs import KVStoreStoreSpec
 from connector.worker import KVStoreWorker
-from kvstore.store.group_store import TMP_MARK
+from kvstore.store.paths import TMP_MARK
 
 from .harness import Engine, EngineOptions
 

@@ -23,7 +23,7 @@ from kvstore.io.host import HostEngine, probe_direct_io
 from kvstore.io.newfile import plan_new_file
 from kvstore.io.types import DirectIOProbe
 from kvstore.store.format import ShardLayout
-from kvstore.store.group_store import TMP_MARK
+from kvstore.store.paths import TMP_MARK
 from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus
 from tests.helpers import (
     StoreFactory,

@@ -35,7 +35,7 @@ from kvstore.admin.blockfile import check_block_file
 from kvstore.cli import main
 from kvstore.identity import Identity
 from kvstore.store.group_store import GroupStore
-from kvstore.store.page_store import QUARANTINE
+from kvstore.store.paths import QUARANTINE
 from kvstore.store.types import BlockRead, BlockWrite, ChunkWrite, ReadStatus, WriteStatus
 from tests.helpers import StoreFactory, block_bytes, make_small_identity, shard_files, tmp_files
 from tests.reliability.common import FULL, figure

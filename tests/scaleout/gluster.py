@@ -83,7 +83,7 @@ MOUNT_OPTIONS = (
 )
 # GlusterFS's default cluster.rsync-hash-regex: DHT places ``.<name>.<suffix>`` on the brick
 # that ``<name>`` hashes to. kvstore's temporary names have that shape
-# (kvstore.store.group_store.temp_path_for), so publishing with link(2) is one atomic link on
+# (kvstore.store.paths.temp_path_for), so publishing with link(2) is one atomic link on
 # one brick. A temporary name of another shape lands on another brick for about half the
 # blocks, and DHT's cross-brick link is two steps that ignore the first step's EEXIST: two
 # nodes publishing one block at once could both succeed (docs/shared-filesystems.md).

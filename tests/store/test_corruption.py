@@ -16,7 +16,7 @@ import pytest
 from kvstore.identity import Identity
 from kvstore.io.fileio import FileIO
 from kvstore.store.group_store import GroupStore
-from kvstore.store.page_store import QUARANTINE
+from kvstore.store.paths import QUARANTINE
 from kvstore.store.types import BlockRead, BlockWrite, ReadResult, ReadStatus, WriteStatus
 from tests.helpers import (
     StoreFactory,

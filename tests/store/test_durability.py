@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.store.group_store import TMP_MARK, GroupStore, temp_path_for
+from kvstore.store.group_store import GroupStore
+from kvstore.store.paths import TMP_MARK, temp_path_for
 from kvstore.store.types import (
     BlockRead,
     BlockWrite,

@@ -29,9 +29,11 @@ import numpy as np
 import pytest
 
 from kvstore.errors import StoreFormatError
-from kvstore.io.fileio import FileIO
+from kvstore.io.fileio import FileId, FileIO
 from kvstore.store.group_store import GroupStore
-from kvstore.store.page_store import QUARANTINE, KVStore
+from kvstore.store.page_store import KVStore
+from kvstore.store.paths import QUARANTINE
+from kvstore.store.read import Reader
 from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus
 from tests.helpers import StoreFactory, block_bytes, block_hash, make_small_identity
 
@@ -298,13 +300,13 @@ def _race_before_quarantine(
     monkeypatch: pytest.MonkeyPatch, group: GroupStore, action: Callable[[], None]
 ) -> None:
     """Run ``action`` after the corrupt read, before the reader quarantines."""
-    original = GroupStore._quarantine
+    original = Reader.quarantine
 
-    def raced(self: GroupStore, block_hash: bytes, read_id: object) -> str:
+    def raced(self: Reader, block_hash: bytes, read_id: FileId | None) -> str:
         action()
-        return original(self, block_hash, read_id)  # type: ignore[arg-type]
+        return original(self, block_hash, read_id)
 
-    monkeypatch.setattr(GroupStore, "_quarantine", raced)
+    monkeypatch.setattr(Reader, "quarantine", raced)
 
 
 def test_reader_does_not_quarantine_a_copy_republished_since_its_read(

@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.errors import KvstoreError
 from kvstore.io.fileio import FileIO
-from kvstore.store import group_store
+from kvstore.store import lookup
 from kvstore.store.types import BlockWrite
 from tests.helpers import StoreFactory, block_bytes, block_hash, make_small_identity
 
@@ -59,7 +59,7 @@ def test_contains_answers_alike_serial_or_threaded(
     assert after["probes"] - before["probes"] == len(hashes)
     assert after["read_errors"] - before["read_errors"] == len(failing)
     assert sum("existence probes" in r.getMessage() for r in caplog.records) == 1
-    if delay_s > group_store.SLOW_PROBE_S:  # (a fast one may still be slow on a busy machine)
+    if delay_s > lookup.SLOW_PROBE_S:  # (a fast one may still be slow on a busy machine)
         assert any(name.startswith("kvstore-io") for name in fio.threads), fio.threads
 
 

@@ -24,8 +24,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvstore.config import StoreConfig
 from kvstore.identity import Identity
-from kvstore.store.group_store import TMP_MARK, GroupStore
+from kvstore.store.group_store import GroupStore
 from kvstore.store.page_store import KVStore
+from kvstore.store.paths import TMP_MARK
 from kvstore.store.types import (
     BlockRead,
     BlockWrite,

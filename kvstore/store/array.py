@@ -1,0 +1,110 @@
+"""One group array as its block operations see it: who it is, where its files are, how bytes move.
+
+A :class:`GroupArray` is fixed when a namespace is opened (:mod:`kvstore.store.page_store`)
+and shared by the modules that implement :class:`~kvstore.store.group_store.GroupStore`:
+lookup (:mod:`.lookup`), publishing (:mod:`.publish`, :mod:`.pending`) and reading
+(:mod:`.read`). It holds no mutable state (the stats object it points to counts for the
+whole store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from kvstore.checksum import checksum_id
+from kvstore.errors import KvstoreError
+from kvstore.identity import GroupSpec
+from kvstore.io.engine import DeviceEngine, Engine, device_engine
+from kvstore.io.fileio import FileIO
+from kvstore.store.check import ShardSpec
+from kvstore.store.codec import Codec
+from kvstore.store.compression import CompressedShards
+from kvstore.store.format import ShardLayout
+from kvstore.store.paths import ArrayPaths
+from kvstore.store.types import StoreStats
+
+
+@dataclass(frozen=True)
+class GroupArray:
+    """Array ``g<index>`` of one namespace, and how this store reads and writes it."""
+
+    namespace: str  # the namespace's directory name
+    namespace_digest: bytes  # SHA-256 of its identity (every block header carries it)
+    index: int  # k of g<k>
+    spec: GroupSpec  # the KV-cache group
+    layout: ShardLayout  # byte layout of its shard files
+    paths: ArrayPaths  # where its files live
+    engine: Engine  # the store's I/O engine (threads, host / pinned / GDS)
+    stats: StoreStats  # the store's counters
+    checksum: str  # algorithm of new blocks ("xxh3_64", "crc32c", "wsum64")
+    verify_reads: bool  # verify every chunk read against its checksum
+    quarantine_dir: Path | None  # where corrupt blocks go; None: they are removed
+    read_only: bool = False  # nothing is written, quarantined or touched
+    compression: str = "none"  # the array's inner-chunk compression (its zarr.json decides)
+
+    @property
+    def label(self) -> str:
+        return f"{self.namespace}/g{self.index}"
+
+    @property
+    def array_path(self) -> Path:
+        return self.paths.array
+
+    @cached_property
+    def fio(self) -> FileIO:
+        return self.engine.fio
+
+    @cached_property
+    def checksum_algo(self) -> int:
+        return checksum_id(self.checksum)
+
+    @cached_property
+    def device_engine(self) -> DeviceEngine | None:
+        """The engine if it takes device segments (GDS): tensors then go to it as they are."""
+        return device_engine(self.engine)
+
+    @cached_property
+    def codec(self) -> Codec | None:
+        return Codec.for_name(self.compression, self.layout.itemsize)
+
+    @cached_property
+    def shard(self) -> ShardSpec:
+        """What every block file of this array must be (:mod:`kvstore.store.check`)."""
+        return ShardSpec(self.layout, self.namespace_digest, self.index, self.codec)
+
+    @cached_property
+    def compressed(self) -> CompressedShards | None:
+        """The compressed block reader and writer; None for raw chunks."""
+        if self.codec is None:
+            return None
+        return CompressedShards(self.codec, self.shard, self.engine)
+
+    def block_path(self, block_hash: bytes) -> str:
+        """Absolute path of the published shard file of a (checked) block hash."""
+        return self.paths.block(block_hash)
+
+    def check_writable(self) -> None:
+        if self.read_only:
+            raise KvstoreError(f"{self.label}: store opened read-only")
+
+    def open_dir(self, directory: str, created: list[str] | None = None) -> int:
+        """A descriptor of ``directory`` (below the store root), entered from the root with no
+        link followed (:func:`~kvstore.io.fileio.open_dir_nofollow`); missing directories are
+        created (and listed in ``created``) when ``created`` is given. The caller closes it."""
+        root = self.array_path.parent.parent  # <root>/<namespace>/g<k>
+        parts = os.path.relpath(directory, root).split(os.sep)
+        mode = None if created is None else self.engine.config.dir_mode
+        return self.fio.open_dir(root, parts, mode, created)
+
+    def remove_quietly(self, path: str) -> None:
+        with contextlib.suppress(OSError):
+            self.fio.unlink(path)
+
+
+def short_hash(block_hash: bytes) -> str:
+    """A block hash as log lines show it."""
+    return block_hash.hex()[:16]

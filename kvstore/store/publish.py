@@ -1,0 +1,319 @@
+"""Publishing blocks: temporary file, sync, rename to the block's name, sync the directory.
+
+Published block files are immutable: they appear by renaming a complete, synced temporary file
+(``.<lo>.tmp-<token>`` beside the final name: :func:`kvstore.store.paths.temp_path_for`) to
+the block's name, never replacing one (:meth:`FileIO.rename <kvstore.io.fileio.FileIO.rename>`),
+and are only ever removed, so a reader never sees a partial block. A crash leaves only
+temporary files, which the admin CLI sweeps.
+
+:class:`Publisher` writes whole blocks (one writer: :meth:`Publisher.write_blocks`) and holds
+the steps the multi-writer protocol (:mod:`kvstore.store.pending`) shares: writing a file
+(recreating a lost fan-out directory), naming it, and finishing a batch (directory syncs,
+counts, one log line).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import Sequence
+
+from kvstore.checksum import checksum_chunks, checksum_tensor_rows
+from kvstore.errors import KvstoreError
+from kvstore.io.engine import AnySegment, Data
+from kvstore.io.fileio import FileId, file_id, remove_if_same, sync_parents
+from kvstore.keys import check_hash
+from kvstore.store import format as fmt
+from kvstore.store.array import GroupArray, short_hash
+from kvstore.store.paths import ZARR_JSON, final_path_of, temp_path_for
+from kvstore.store.segments import engine_data, host_segments, nbytes
+from kvstore.store.types import BlockWrite, WriteResult, WriteStatus
+
+log = logging.getLogger("kvstore")
+
+# A publish step's outcome: status, the directory to sync, the identity of the file published.
+Published = tuple[WriteStatus, str | None, FileId | None]
+
+_ZEROS = memoryview(bytes(fmt.ALIGN))
+
+
+def new_token() -> str:
+    """A fresh temporary-file token (no dot: see :func:`~kvstore.store.paths.temp_path_for`)."""
+    return uuid.uuid4().hex[:16]
+
+
+class Publisher:
+    """Whole-block writes of one group array, and the publishing steps every write shares."""
+
+    def __init__(self, array: GroupArray) -> None:
+        self.array = array
+        self._fio = array.fio
+
+    # -- whole blocks ------------------------------------------------------------------------
+
+    def write_blocks(self, writes: Sequence[BlockWrite]) -> list[WriteResult]:
+        """Write and publish whole blocks; blocks already present are skipped (EXISTS).
+
+        Three passes over the batch: write every temporary file; sync each and rename it to
+        its name; sync the directories. Each file is still synced before its rename and each
+        directory after it, as one block at a time would, but syncing the files only once all
+        of them are written lets the file system commit its journal once for many files
+        rather than once per file (about +10-20 % write throughput with 2 MiB blocks, 4
+        threads, ext4; see docs/performance.md).
+        """
+        self.array.check_writable()
+        engine = self.array.engine
+        staged = engine.map(self._write_one, writes)
+        results = engine.map(self._publish, staged)
+        return self.finish_writes(results, [w.block_hash for w in writes])
+
+    def _write_one(self, req: BlockWrite) -> str | None:
+        """First pass of :meth:`write_blocks`: the block's temporary file, written but not
+        synced; None when the block is already published."""
+        array = self.array
+        block_hash = check_hash(req.block_hash)
+        final = array.block_path(block_hash)
+        if self._fio.exists(final):
+            return None
+        layout = array.layout
+        compressed = array.compressed
+        data = self.data(req.data, host=compressed is not None)
+        if nbytes(data) != layout.block_nbytes:
+            raise KvstoreError(
+                f"block data: expected {layout.block_nbytes} bytes, got {nbytes(data)}"
+            )
+        tmp = temp_path_for(final, new_token())
+        file_nbytes: int | None = None
+        if compressed is not None:
+            assert isinstance(data, memoryview)
+            parent = check_hash(req.parent_hash) if req.parent_hash is not None else None
+            host, file_nbytes = compressed.segments(
+                block_hash, parent, time.time_ns(), array.checksum_algo, data, layout.chunk_nbytes
+            )
+            segments: list[AnySegment] = list(host)
+        else:
+            sums = chunk_checksums(
+                array.checksum_algo, data, layout.chunk_nbytes, layout.num_chunks
+            )
+            header = self.header(block_hash, req.parent_hash, time.time_ns(), sums)
+            segments = [(0, memoryview(header))]
+            if layout.dense:
+                segments.append((layout.data_offset, data))
+            else:
+                pad = _ZEROS[: layout.chunk_stride - layout.chunk_nbytes]
+                for c in range(layout.num_chunks):
+                    start = c * layout.chunk_nbytes
+                    chunk = data[start : start + layout.chunk_nbytes]
+                    segments.append((layout.chunk_offset(c), chunk))
+                    segments.append((layout.chunk_offset(c) + layout.chunk_nbytes, pad))
+            segments.append((layout.data_end, memoryview(layout.index_bytes)))
+        try:
+            self.write_file(tmp, segments, exclusive=True, file_nbytes=file_nbytes, sync=False)
+        except BaseException:
+            array.remove_quietly(tmp)
+            raise
+        return tmp
+
+    def _publish(self, staged: str | BaseException | None) -> Published:
+        """Second pass of :meth:`write_blocks`: sync a written temporary file, then give it
+        its name (never replacing one: FileIO.rename)."""
+        if isinstance(staged, BaseException):
+            raise staged  # the first pass failed: reported as this block's result
+        if staged is None:
+            return WriteStatus.EXISTS, None, None
+        final = final_path_of(staged)
+        try:
+            if self.array.engine.config.durable:
+                self.sync_file(staged)
+            published = self.publish_name(staged, final)
+        except BaseException:
+            self.array.remove_quietly(staged)
+            raise
+        return WriteStatus.WRITTEN, os.path.dirname(final), published
+
+    # -- steps shared with the multi-writer protocol -----------------------------------------
+
+    def header(
+        self, block_hash: bytes, parent: bytes | None, created_ns: int, sums: Sequence[int]
+    ) -> bytearray:
+        """The whole header of a raw block: fixed part and every checksum slot."""
+        header = bytearray(self.array.layout.header_nbytes)
+        fixed = self.fixed_header(block_hash, parent, created_ns, self.array.checksum_algo)
+        header[: len(fixed)] = fixed
+        slots = fmt.encode_checksums(list(sums))
+        header[fmt.HEADER_FIXED_NBYTES : fmt.HEADER_FIXED_NBYTES + len(slots)] = slots
+        return header
+
+    def fixed_header(
+        self, block_hash: bytes, parent: bytes | None, created_ns: int, algo: int
+    ) -> bytes:
+        array = self.array
+        return fmt.encode_fixed_header(
+            array.layout,
+            array.namespace_digest,
+            array.index,
+            block_hash,
+            check_hash(parent) if parent is not None else None,
+            algo,
+            created_ns,
+        )
+
+    def data(self, buffer: object, *, host: bool = False) -> Data:
+        """A caller's bytes as this array's engine takes them (:func:`engine_data`)."""
+        return engine_data(buffer, self.array.device_engine, host=host)
+
+    def write_file(
+        self,
+        path: str,
+        segments: Sequence[AnySegment],
+        *,
+        exclusive: bool,
+        file_nbytes: int | None = None,
+        sync: bool = True,
+    ) -> None:
+        """engine.write_file, recreating a lost fan-out directory of a live array.
+
+        If the array itself is gone (``kvstore rm`` removed the namespace while this server
+        ran), the write fails instead of resurrecting a namespace without its metadata.
+        ``file_nbytes``: the file's size when it is not the raw layout's (compressed blocks).
+        """
+        array = self.array
+        size = array.layout.file_nbytes if file_nbytes is None else file_nbytes
+        try:
+            self._engine_write(path, segments, size, exclusive, sync)
+        except FileNotFoundError:
+            if not self._fio.exists(f"{array.array_path}{os.sep}{ZARR_JSON}"):
+                raise KvstoreError(
+                    f"namespace {array.namespace} was removed from the store (no "
+                    f"{array.array_path}/{ZARR_JSON}); reopen the store to recreate it"
+                ) from None
+            # Recreated from the root without following a link: one planted where a fan-out
+            # directory was must not receive block files (with their prompts) elsewhere.
+            created: list[str] = []
+            self._fio.close(array.open_dir(os.path.dirname(path), created))
+            if array.engine.config.durable:
+                sync_parents(self._fio, created)
+            self._engine_write(path, segments, size, exclusive, sync)
+
+    def _engine_write(
+        self, path: str, segments: Sequence[AnySegment], size: int, exclusive: bool, sync: bool
+    ) -> None:
+        """Device segments to the device engine; host-only lists to any engine."""
+        host = host_segments(segments)
+        if host is not None:
+            self.array.engine.write_file(path, host, size, exclusive=exclusive, sync=sync)
+            return
+        device = self.array.device_engine
+        assert device is not None  # data() keeps tensors only for such engines
+        device.write_file(path, segments, size, exclusive=exclusive, sync=sync)
+
+    def sync_file(self, path: str) -> None:
+        """fdatasync a file written (unsynced) earlier in the batch."""
+        fd = self._fio.open(path, os.O_RDONLY)
+        try:
+            self._fio.fdatasync(fd)
+        finally:
+            self._fio.close(fd)
+
+    def publish_name(self, tmp: str, final: str) -> FileId | None:
+        """Give the complete temporary file ``tmp`` the name ``final`` (never replacing one).
+
+        Returns the identity of the file published when the store is durable: if the
+        directory sync then fails, :meth:`finish_writes` withdraws that file - and only that
+        file, not a copy someone else published under the name since. One ``lstat`` of a name
+        only this writer knows, on a path that syncs the file and its directory anyway.
+        """
+        durable = self.array.engine.config.durable
+        published = file_id(self._fio.lstat_at(None, tmp)) if durable else None
+        self._fio.rename(tmp, final)
+        return published
+
+    def finish_writes(
+        self, results: Sequence[Published | BaseException], hashes: Sequence[bytes]
+    ) -> list[WriteResult]:
+        """Fsync the directories of published blocks (once each), count, log failures."""
+        array = self.array
+        out: list[WriteResult] = []
+        dirs: set[str] = set()
+        failures: list[str] = []
+        published: dict[int, FileId | None] = {}
+        for i, (result, block_hash) in enumerate(zip(results, hashes, strict=True)):
+            if isinstance(result, FileExistsError) and result.filename2 == array.block_path(
+                block_hash
+            ):
+                # The publishing rename found the block there: another process or node
+                # published it since our existence check (FileIO.rename never replaces).
+                out.append(WriteResult(WriteStatus.EXISTS))
+                continue
+            if isinstance(result, BaseException):
+                message = f"{type(result).__name__}: {result}"
+                failures.append(f"{short_hash(block_hash)} ({message})")
+                out.append(WriteResult(WriteStatus.FAILED, message))
+                continue
+            status, directory, identity = result
+            if status is WriteStatus.WRITTEN and directory is not None:
+                dirs.add(directory)
+            published[i] = identity
+            out.append(WriteResult(status))
+        if dirs and array.engine.config.durable:
+            failures += self._sync_dirs(sorted(dirs), hashes, out, published)
+        written = sum(r.status is WriteStatus.WRITTEN for r in out)
+        array.stats.add(
+            blocks_written=written,
+            blocks_existing=sum(r.status is WriteStatus.EXISTS for r in out),
+            write_failures=sum(r.status is WriteStatus.FAILED for r in out),
+            bytes_written=written * array.layout.block_nbytes,
+        )
+        if failures:
+            log.warning(
+                "kvstore: %d of %d block writes failed in %s, first: %s",
+                len(failures),
+                len(hashes),
+                array.label,
+                failures[0],
+            )
+        return out
+
+    def _sync_dirs(
+        self,
+        ordered: list[str],
+        hashes: Sequence[bytes],
+        out: list[WriteResult],
+        published: dict[int, FileId | None],
+    ) -> list[str]:
+        """Fsync the directories of a batch; blocks in one that failed are withdrawn."""
+        synced = self.array.engine.map(self._fio.fsync_dir, ordered)
+        bad_dirs = {d for d, e in zip(ordered, synced, strict=True) if isinstance(e, BaseException)}
+        if not bad_dirs:
+            return []
+        # The renames happened but may not survive a power loss. FAILED promises "not
+        # published", so those blocks are withdrawn (a reader that got one read valid,
+        # verified bytes; the engine just cannot count on the block).
+        error = next(e for e in synced if isinstance(e, BaseException))
+        message = f"directory fsync failed: {error}"
+        for i, block_hash in enumerate(hashes):
+            path = self.array.block_path(block_hash)
+            if out[i].status is WriteStatus.WRITTEN and os.path.dirname(path) in bad_dirs:
+                self._withdraw(path, published.get(i))
+                out[i] = WriteResult(WriteStatus.FAILED, message)
+        return [message]
+
+    def _withdraw(self, path: str, published: FileId | None) -> None:
+        """Remove the file this process published at ``path``, if the name still holds it
+        (another node may have removed it and published its own copy meanwhile)."""
+        if published is None:
+            return  # not durable: no directory sync, nothing withdrawn
+        with contextlib.suppress(OSError):
+            remove_if_same(self._fio, None, path, published)
+
+
+def chunk_checksums(algo: int, data: Data, chunk_nbytes: int, count: int) -> list[int]:
+    """Checksums of ``count`` chunks of ``data``: on the tensor's device for device data."""
+    if isinstance(data, memoryview):
+        return checksum_chunks(algo, data, chunk_nbytes, count)
+    if count == 0:
+        return []
+    return checksum_tensor_rows(algo, data[: count * chunk_nbytes].view(count, chunk_nbytes))

@@ -1,0 +1,266 @@
+"""Reading blocks: verified reads into caller buffers, and quarantine of what fails.
+
+:meth:`Reader.read_blocks` reads whole blocks or chosen inner chunks (heads x layers) into
+caller buffers, touching only those byte ranges: the header and each contiguous run of chunks,
+one ``preadv`` for a whole block. Every read checks the header against the key it asked for and
+each chunk against its checksum (:mod:`kvstore.store.check`: one header check and one checksum
+call per chunk, nothing more). A missing, short, mis-keyed, foreign or corrupt block is a
+miss: one log line, counted, and the corrupt file quarantined - never served.
+
+Read buffers are host memory (anything with the buffer protocol) or uint8-viewable tensors. A
+device engine (GDS) reads into a device tensor directly and verifies it on the device when the
+block's algorithm allows it, otherwise its chunks are copied to the host for verification
+(logged once per store); other engines read a device tensor's bytes through a host bounce
+buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore.checksum import DEVICE_ALGOS, NAMES
+from kvstore.errors import BlockMissingError, CorruptBlockError, EntryKindError, KvstoreError
+from kvstore.io.buffers import ThreadStaging, is_aligned
+from kvstore.io.engine import AnySegment, Data
+from kvstore.io.fileio import FileId, move_if_same, remove_if_same
+from kvstore.keys import check_hash, hash_coords
+from kvstore.store import check
+from kvstore.store import format as fmt
+from kvstore.store.array import GroupArray, short_hash
+from kvstore.store.format import BlockHeader
+from kvstore.store.paths import held_block_name
+from kvstore.store.segments import byte_view, chunk_segments, host_segments, nbytes, tensor_bytes
+from kvstore.store.types import BlockRead, ReadResult, ReadStatus
+
+log = logging.getLogger("kvstore")
+
+# Engines whose store already logged a device read verified through the host (once per store).
+_HOST_VERIFY_LOGGED: weakref.WeakSet[object] = weakref.WeakSet()
+
+
+class Reader:
+    """Verified reads of one group array's blocks."""
+
+    def __init__(self, array: GroupArray) -> None:
+        self.array = array
+        self._fio = array.fio
+        config = array.engine.config
+        self._access_granularity_ns = config.access_granularity_s * 1_000_000_000
+        # O_DIRECT reads of aligned requests (config direct_reads, where O_DIRECT works).
+        self._direct_reads = config.direct_reads and array.engine.direct.enabled
+        self._header_staging = ThreadStaging()
+
+    def read_blocks(self, reads: Sequence[BlockRead]) -> list[ReadResult]:
+        """Read and verify blocks into the callers' buffers; failures are misses."""
+        outcomes = self.array.engine.map(self._read_one, reads)
+        results: list[ReadResult] = []
+        hits = misses = corrupt = errors = total = 0
+        for outcome, req in zip(outcomes, reads, strict=True):
+            if isinstance(outcome, BaseException):
+                result = self._read_failure(outcome, req.block_hash)
+            else:
+                total += outcome
+                result = ReadResult(ReadStatus.HIT)
+            hits += result.status is ReadStatus.HIT
+            misses += result.status is ReadStatus.MISS
+            corrupt += result.status is ReadStatus.CORRUPT
+            errors += result.status is ReadStatus.ERROR
+            results.append(result)
+        self.array.stats.add(
+            hits=hits, misses=misses, corrupt=corrupt, read_errors=errors, bytes_read=total
+        )
+        return results
+
+    def _read_one(self, req: BlockRead) -> int:
+        array = self.array
+        block_hash = check_hash(req.block_hash)
+        layout = array.layout
+        whole = req.chunks is None
+        chunks: Sequence[int] = range(layout.num_chunks) if whole else list(req.chunks or ())
+        need = len(chunks) * layout.chunk_nbytes
+        compressed = array.compressed
+        device = array.device_engine
+        # A device buffer with a host-only engine (or a compressed array) is read through a
+        # host bounce buffer and copied over after verification.
+        device_out: torch.Tensor | None = None
+        out: Data
+        if isinstance(req.out, torch.Tensor):
+            flat = tensor_bytes(req.out)
+            if device is not None and compressed is None:
+                out = flat
+            elif flat.device.type == "cpu":
+                out = flat.numpy().data
+            else:
+                device_out = flat
+                out = torch.empty(need, dtype=torch.uint8).numpy().data
+        else:
+            out = byte_view(req.out)
+            if out.readonly:
+                raise ValueError("read buffer: expected writable memory, got a read-only buffer")
+        if nbytes(out) < need:
+            raise ValueError(f"read buffer: expected at least {need} bytes, got {nbytes(out)}")
+        if not whole and any(not 0 <= c < layout.num_chunks for c in chunks):
+            raise ValueError(f"chunk numbers: expected 0..{layout.num_chunks - 1}, got {chunks}")
+        touch_before = (
+            time.time_ns() - self._access_granularity_ns
+            if self._access_granularity_ns and not array.read_only
+            else 0
+        )
+        path = array.block_path(block_hash)
+        if compressed is not None:
+            assert isinstance(out, memoryview)
+            # CorruptBlockError carries the identity of the file read (CompressedShards.read)
+            compressed.read(path, block_hash, chunks, out, array.verify_reads, touch_before)
+            if device_out is not None:
+                device_out[:need].copy_(torch.frombuffer(out, dtype=torch.uint8)[:need])
+            return need
+        header: bytearray | memoryview
+        if self._direct_reads:  # an aligned header buffer, so the whole read may be O_DIRECT
+            header = self._header_staging.get(layout.header_nbytes)[: layout.header_nbytes].data
+        else:
+            header = bytearray(layout.header_nbytes)
+        segments: list[AnySegment] = [(0, memoryview(header)), *chunk_segments(layout, chunks, out)]
+        segments.sort(key=lambda s: s[0])
+        host = host_segments(segments)
+        read_id: FileId
+        if host is None:
+            assert device is not None
+            read_id = device.read_file(path, segments, layout.file_nbytes, touch_before)
+        else:
+            direct = self._direct_reads and all(
+                offset % fmt.ALIGN == 0 and is_aligned(data) for offset, data in host
+            )
+            read_id = array.engine.read_file(
+                path, host, layout.file_nbytes, touch_before, direct=direct
+            )
+        try:
+            decoded = check.check_header(header, array.shard, block_hash)
+            if array.verify_reads:
+                if isinstance(out, torch.Tensor) and decoded.checksum_algo not in DEVICE_ALGOS:
+                    self._log_host_verify(decoded.checksum_algo)
+                check.verify_chunks(layout, decoded.checksum_algo, header, chunks, out)
+        except CorruptBlockError as exc:
+            exc.file_id = read_id  # quarantine this file, not whatever has the name later
+            raise
+        if device_out is not None:
+            device_out[:need].copy_(torch.frombuffer(out, dtype=torch.uint8)[:need])
+        return need
+
+    def _log_host_verify(self, algo: int) -> None:
+        engine = self.array.engine
+        if engine in _HOST_VERIFY_LOGGED:
+            return
+        _HOST_VERIFY_LOGGED.add(engine)
+        log.info(
+            "kvstore: blocks checksummed with %s are verified through host memory when read "
+            "into device buffers (write them with wsum64 to verify on the device)",
+            NAMES.get(algo, algo),
+        )
+
+    def _read_failure(self, exc: BaseException, block_hash: bytes) -> ReadResult:
+        if isinstance(exc, BlockMissingError):
+            return ReadResult(ReadStatus.MISS)
+        if isinstance(exc, ValueError | KvstoreError) and not isinstance(
+            exc, CorruptBlockError | OSError
+        ):
+            raise exc  # a caller bug (bad buffer, bad hash), not a block problem
+        label = self.array.label
+        if isinstance(exc, CorruptBlockError):
+            where = self.quarantine(block_hash, exc.file_id)
+            log.warning(
+                "kvstore: block %s of %s is corrupt (%s); served as a miss, %s",
+                short_hash(block_hash),
+                label,
+                exc,
+                where,
+            )
+            return ReadResult(ReadStatus.CORRUPT, str(exc))
+        log.warning(
+            "kvstore: reading block %s of %s failed (%s); served as a miss",
+            short_hash(block_hash),
+            label,
+            exc,
+        )
+        return ReadResult(ReadStatus.ERROR, str(exc))
+
+    def quarantine(self, block_hash: bytes, read_id: FileId | None) -> str:
+        """Move the corrupt file that was read (``read_id``) out of the block's name, into
+        ``<namespace>/quarantine``; the words for the log line say what happened.
+
+        Every directory on the way is entered without following a symbolic link
+        (:func:`~kvstore.io.fileio.open_dir_nofollow`, from the store root), and the rename
+        goes between those open directories: a link planted at ``quarantine`` (or anywhere
+        above the block) never takes the file out of the root. If ``quarantine`` is not a real
+        directory the file is removed instead (it is never served either way). The file is
+        moved only while the name still holds the file read (:func:`move_if_same`): another
+        reader or ``verify --fix`` may have removed it and a writer re-published a good copy.
+        """
+        array = self.array
+        path = array.block_path(block_hash)
+        if array.read_only:
+            return "left in place (store opened read-only)"
+        if read_id is None:  # an engine that does not say what it read: touch nothing
+            return "left in place (the file read is not known)"
+        fanout = os.path.dirname(path)
+        name = os.path.basename(path)
+        qdir = array.quarantine_dir
+        try:
+            src_fd = array.open_dir(fanout)
+        except FileNotFoundError:
+            return "already gone"
+        except (OSError, ValueError) as exc:
+            return f"left in place (cannot enter {fanout}: {exc})"
+        try:
+            if qdir is None:
+                return _outcome(remove_if_same(self._fio, src_fd, name, read_id), None)
+            target = held_block_name(array.index, *hash_coords(block_hash), time.time_ns())
+            try:
+                q_fd = self._fio.open_dir(
+                    qdir.parent.parent,
+                    [qdir.parent.name, qdir.name],
+                    create_mode=array.engine.config.dir_mode,
+                )
+            except (EntryKindError, OSError) as exc:
+                outcome = remove_if_same(self._fio, src_fd, name, read_id)
+                return f"{_outcome(outcome, None)}: cannot quarantine ({exc})"
+            try:
+                outcome = move_if_same(self._fio, src_fd, name, q_fd, target, read_id)
+            finally:
+                self._fio.close(q_fd)
+            return _outcome(outcome, qdir / target)
+        except OSError as exc:
+            return f"could not quarantine ({exc})"
+        finally:
+            self._fio.close(src_fd)
+
+    def read_header(self, block_hash: bytes) -> tuple[BlockHeader, np.ndarray]:
+        """The verified header and checksum slots of a published block (for tools)."""
+        array = self.array
+        block_hash = check_hash(block_hash)
+        path = array.block_path(block_hash)
+        if array.compressed is not None:
+            return array.compressed.read_header(path, block_hash)
+        layout = array.layout
+        header = bytearray(layout.header_nbytes)
+        array.engine.read_file(path, [(0, memoryview(header))], layout.file_nbytes)
+        decoded = check.check_header(header, array.shard, block_hash)
+        return decoded, fmt.decode_checksums(header, layout.num_chunks).copy()
+
+
+def _outcome(outcome: str, target: Path | None) -> str:
+    """Log words for a :func:`move_if_same` / :func:`remove_if_same` outcome."""
+    if outcome == "moved":
+        return f"quarantined as {target}"
+    if outcome == "gone":
+        return "already gone"
+    if outcome == "replaced":
+        return "left in place (the name holds another file since the read)"
+    return outcome  # "removed"
