@@ -52,7 +52,7 @@ from kvstore.admin.sizes import format_duration, format_size
 from kvstore.admin.trash import HeldDirectoryError, quarantine_file
 from kvstore.errors import StoreFormatError
 from kvstore.store import metadata
-from kvstore.store.paths import QUARANTINE, TRASH
+from kvstore.store.paths import QUARANTINE, TRASH, ZARR_JSON
 from kvstore.store.view import NamespaceView, read_document
 
 DEFAULT_TMP_AGE_S = 3600.0
@@ -229,13 +229,13 @@ def _check_metadata(namespaces: Sequence[NamespaceView], options: VerifyOptions)
                 if got == expected:
                     continue
                 detail = (
-                    f"{group.path}/{metadata.ZARR_JSON}: expected the format v1 array document "
+                    f"{group.path}/{ZARR_JSON}: expected the format v1 array document "
                     f"of this identity, got {'none' if got is None else 'a different one'}"
                 )
             findings.append(
                 Finding(
                     METADATA,
-                    str(group.path / metadata.ZARR_JSON),
+                    str(group.path / ZARR_JSON),
                     ns.name,
                     group.index,
                     detail,

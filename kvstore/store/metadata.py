@@ -26,10 +26,9 @@ from kvstore.identity import GroupSpec, Identity
 from kvstore.io.fileio import FileIO, describe_kind, describe_os_error, sync_parents, write_fully
 from kvstore.store.codec import Codec
 from kvstore.store.format import FORMAT_VERSION, ShardLayout
+from kvstore.store.paths import DOC_TMP_PREFIX, ZARR_JSON
 
 STORE_ATTRS: dict[str, Any] = {"format": "kvstore", "version": FORMAT_VERSION}
-ZARR_JSON = "zarr.json"
-DOC_TMP_PREFIX = f".{ZARR_JSON}.tmp-"  # a document being written (a crash may leave one)
 MAX_DOCUMENT_BYTES = 1 << 20  # real documents are a few KiB (layer names of a large model)
 
 

@@ -36,7 +36,14 @@ from kvstore.store.array import GroupArray
 from kvstore.store.compression import check_array_compression
 from kvstore.store.format import ShardLayout
 from kvstore.store.group_store import GroupStore
-from kvstore.store.paths import FANOUT, QUARANTINE, ArrayPaths, array_dir
+from kvstore.store.paths import (
+    DOC_TMP_PREFIX,
+    FANOUT,
+    QUARANTINE,
+    ZARR_JSON,
+    ArrayPaths,
+    array_dir,
+)
 from kvstore.store.types import StoreStats
 
 # What Identity.namespace produces; anything else (.., /, a symlink trick) is refused.
@@ -163,8 +170,7 @@ class KVStore:
         return sorted(
             entry.name
             for entry in os.scandir(self.root)
-            if entry.is_dir(follow_symlinks=False)
-            and _is_regular(Path(entry.path) / metadata.ZARR_JSON)
+            if entry.is_dir(follow_symlinks=False) and _is_regular(Path(entry.path) / ZARR_JSON)
         )
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -297,7 +303,7 @@ def _is_regular(path: Path) -> bool:
 def _leftover(name: str) -> bool:
     """A file a crash of kvstore itself may leave in a store root before its zarr.json exists
     (a document being written, the O_DIRECT probe): the root is still empty for opening."""
-    return name.startswith((metadata.DOC_TMP_PREFIX, PROBE_PREFIX))
+    return name.startswith((DOC_TMP_PREFIX, PROBE_PREFIX))
 
 
 def _stored_identity(path: Path, doc: dict[str, Any]) -> Identity:

@@ -15,8 +15,7 @@ import pytest
 
 from kvstore.io.fileio import FileIO
 from kvstore.store.group_store import GroupStore
-from kvstore.store.metadata import ZARR_JSON
-from kvstore.store.paths import TMP_MARK, temp_path_for
+from kvstore.store.paths import TMP_MARK, ZARR_JSON, temp_path_for
 from kvstore.store.types import (
     BlockRead,
     BlockWrite,

@@ -19,6 +19,7 @@ import pytest
 from kvstore.io import fileio
 from kvstore.io.fileio import FileIO
 from kvstore.store import metadata
+from kvstore.store.paths import DOC_TMP_PREFIX, ZARR_JSON
 from kvstore.store.types import BlockWrite, ChunkWrite, WriteStatus
 from tests.helpers import StoreFactory, block_bytes, block_hash, make_small_identity, tmp_files
 
@@ -111,7 +112,7 @@ class _DocumentRace(FileIO):
         self.theirs: bytes | None = theirs
 
     def rename(self, src: str, dst: str) -> None:
-        if self.theirs is not None and os.path.basename(src).startswith(metadata.DOC_TMP_PREFIX):
+        if self.theirs is not None and os.path.basename(src).startswith(DOC_TMP_PREFIX):
             Path(dst).write_bytes(self.theirs)
             self.theirs = None
         super().rename(src, dst)
@@ -120,5 +121,5 @@ class _DocumentRace(FileIO):
 def test_metadata_document_created_meanwhile_is_kept(tmp_path: Path) -> None:
     theirs = b'{"zarr_format": 3, "node_type": "group"}'
     metadata.write_document(_DocumentRace(theirs), tmp_path, b'{"zarr_format": 3}', True)
-    assert (tmp_path / metadata.ZARR_JSON).read_bytes() == theirs
-    assert sorted(p.name for p in tmp_path.iterdir()) == [metadata.ZARR_JSON]
+    assert (tmp_path / ZARR_JSON).read_bytes() == theirs
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ZARR_JSON]
