@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore.checksum import crc32c
 from kvstore.errors import CorruptBlockError, EntryKindError
 from kvstore.identity import Identity
 from kvstore.keys import hash_coords
@@ -16,7 +17,7 @@ from kvstore.store.check import ChunkState, ShardSpec, check_file, quick_check
 from kvstore.store.codec import Codec
 from kvstore.store.format import HEADER_FIXED_NBYTES, checksum_slot_offset
 from kvstore.store.group_store import GroupStore
-from kvstore.store.types import BlockWrite, WriteStatus
+from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus
 from tests.helpers import StoreFactory, block_bytes, block_hash, chunk_bytes
 
 
@@ -187,3 +188,20 @@ def test_hot_path_checks_raise(make_store: StoreFactory, small_identity: Identit
         check.verify_chunks(layout, decoded.checksum_algo, header, [2, 1], out)
     with pytest.raises(CorruptBlockError, match="checksum"):
         check.chunk_checksum(99)
+
+
+def test_unknown_checksum_id_in_a_compressed_block_is_a_corrupt_miss(
+    make_store: StoreFactory, small_identity: Identity
+) -> None:
+    """A header with a valid crc naming no known checksum is damage: the read path of a
+    compressed array reported it as a miss like any other (it raised StoreFormatError into
+    the caller before the check was shared)."""
+    group = make_store(compression="lz4").namespace(small_identity).group(0)
+    h, path, _ = written(group, 8)
+    raw = bytearray(Path(path).read_bytes())
+    raw[54] = 99  # checksum algorithm id
+    raw[168:172] = crc32c(bytes(raw[:168])).to_bytes(4, "little")
+    Path(path).write_bytes(raw)
+    out = np.empty(group.layout.block_nbytes, dtype=np.uint8)
+    (result,) = group.read_blocks([BlockRead(h, out)])
+    assert result.status is ReadStatus.CORRUPT and "checksum" in (result.error or "")
