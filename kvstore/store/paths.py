@@ -5,6 +5,7 @@
     <root>/zarr.json                               the store (a zarr v3 group)
     <root>/.zarr.json.tmp-*                        a metadata document being replaced
     <root>/.trash-<ns>-<ns time>                   a namespace removed by ``kvstore rm``
+    <root>/.kvstore-probe-*                        the engine's O_DIRECT probe (kvstore.io.host)
     <root>/<ns>/zarr.json                          a namespace (its identity)
     <root>/<ns>/quarantine/g<k>-<hi>-<lo>-<time>   a corrupt block moved aside by a reader
     <root>/<ns>/trash/g<k>-<hi>-<lo>-<time>        a block evicted by ``kvstore gc``
