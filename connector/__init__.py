@@ -13,8 +13,10 @@ Entry points (loaded by vLLM by name; see docs/vllm.md):
 
 Modules: ``config`` (connector keys), ``facts`` (what is read from vLLM's configs),
 ``identity`` (namespace identity, OffloadKey mapping), ``rank`` (parallel layout and tensor
-form of a worker), ``specs`` (picklable job specs), ``manager`` (scheduler side), ``worker`` /
-``jobs`` / ``streams`` (worker side), ``spec`` and ``vllm_connector`` (what vLLM loads).
+form of a worker), ``transfer_specs`` (the picklable load/store job specs the scheduler sends
+the workers), ``manager`` (scheduler side), ``worker`` / ``executor`` (the job threads) /
+``streams`` (worker side), ``spec`` and ``vllm_connector`` (what vLLM loads), ``compat``
+(what differs between vLLM versions).
 
 The library (``kvstore``) never imports vLLM; this package holds every vLLM import of the
 project. Importing ``connector`` itself does not import vLLM (entry points resolve lazily).

@@ -48,7 +48,7 @@ from vllm.v1.kv_offload.base import (
 
 from connector.config import ConnectorConfig
 from connector.identity import KeyMap
-from connector.specs import KVStoreLoadSpec, KVStoreStoreSpec
+from connector.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
 from kvstore import KVStore, Namespace, PendingBlock, WriteStatus
 from kvstore.checksum import checksum_id
 

@@ -42,12 +42,12 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from connector.executor import EXPEDITED, LOAD, STORE, PriorityExecutor
 from connector.facts import EngineFacts
 from connector.identity import KeyMap
-from connector.jobs import EXPEDITED, LOAD, STORE, PriorityExecutor
 from connector.rank import RankContext, certify, check_mapping, family_of, group_tensors
-from connector.specs import KVStoreLoadSpec, KVStoreStoreSpec
 from connector.streams import PASSED, AllOf, EventFence, Fence, Streams, streams_for
+from connector.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
 from kvstore import Identity, KVStore, LayoutError, Namespace
 from kvstore.rank_io import RankIO, StagedShares
 from kvstore.store.types import PendingBlock, ReadStatus

@@ -23,7 +23,7 @@ pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a sep
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
 
 import connector.spec
-from connector.specs import KVStoreLoadSpec
+from connector.transfer_specs import KVStoreLoadSpec
 from kvstore import KVStore, StoreConfig, StoreFormatError
 from kvstore.io.fileio import FileIO
 from kvstore.store.paths import TMP_MARK

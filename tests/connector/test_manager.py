@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from connector.manager import KVStoreManager
-from connector.specs import KVStoreStoreSpec
+from connector.transfer_specs import KVStoreStoreSpec
 from connector.worker import KVStoreWorker
 from kvstore.store.paths import TMP_MARK
 
