@@ -12,6 +12,7 @@ opened) and never sets their mtime (a reader's record of last use; the tools are
 from __future__ import annotations
 
 from kvstore.errors import EntryKindError
+from kvstore.io.entries import FileId
 from kvstore.store import check
 from kvstore.store.check import (
     CORRUPT,
@@ -33,6 +34,7 @@ __all__ = [
     "TRUNCATED",
     "BlockFault",
     "check_block_file",
+    "judge_block_file",
     "read_header",
 ]
 
@@ -60,7 +62,16 @@ def check_block_file(
     we looked); another kind of entry than a regular file is a CORRUPT fault.
     """
     spec = ShardSpec(layout, namespace_digest, group, Codec.for_name(compression, layout.itemsize))
+    return judge_block_file(path, spec, hi, lo)[0]
+
+
+def judge_block_file(
+    path: str, spec: ShardSpec, hi: int, lo: int
+) -> tuple[BlockFault | None, FileId | None]:
+    """:func:`check_block_file` for an array's ``spec``, with the identity (st_dev, st_ino)
+    of the file judged (None when it was not a regular file): a fix moves that file only,
+    never whatever holds the name by the time it runs."""
     result, _ = check.check_file(path, spec, coords=(hi, lo))
     if result.error is not None and not isinstance(result.error, EntryKindError):
         raise result.error
-    return result.fault
+    return result.fault, result.identity

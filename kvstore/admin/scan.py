@@ -73,6 +73,7 @@ class Entry:
     ino: int
     is_dir: bool = False
     mode: int = 0  # st_mode from lstat (foreign entries: what kind of file it is)
+    dev: int = -1  # st_dev: with ino, the file found (a fix acts on it, not on its name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +337,9 @@ def _entry(
     lo: int,
     st: os.stat_result,
 ) -> Entry:
-    return Entry(kind, path, namespace, group, hi, lo, st.st_size, st.st_mtime_ns, st.st_ino)
+    return Entry(
+        kind, path, namespace, group, hi, lo, st.st_size, st.st_mtime_ns, st.st_ino, dev=st.st_dev
+    )
 
 
 def _foreign(
@@ -345,7 +348,18 @@ def _foreign(
     is_dir = stat.S_ISDIR(st.st_mode)
     size = tree_usage(path, scan.unreadable)[1] if is_dir else st.st_size
     return Entry(
-        FOREIGN, path, namespace, group, -1, -1, size, st.st_mtime_ns, st.st_ino, is_dir, st.st_mode
+        FOREIGN,
+        path,
+        namespace,
+        group,
+        -1,
+        -1,
+        size,
+        st.st_mtime_ns,
+        st.st_ino,
+        is_dir,
+        st.st_mode,
+        st.st_dev,
     )
 
 

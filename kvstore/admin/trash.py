@@ -47,6 +47,8 @@ from pathlib import Path
 
 from kvstore.admin.scan import HeldFile, file_kind
 from kvstore.errors import KvstoreError
+from kvstore.io.entries import FileId, move_if_same
+from kvstore.io.fileio import DEFAULT_FILEIO
 from kvstore.store.paths import QUARANTINE, REMOVED_PREFIX, TRASH
 
 DEFAULT_GRACE_S = 60.0
@@ -57,6 +59,11 @@ _TRAILING_NS = re.compile(r"-([0-9]+)$")
 class HeldDirectoryError(KvstoreError):
     """``<ns>/trash`` or ``<ns>/quarantine`` exists but is not a real directory (a symbolic
     link, a file, a FIFO ...): nothing is moved into it."""
+
+
+class ReplacedError(KvstoreError):
+    """The name now holds another file than the one judged (re-published since the check):
+    nothing is moved."""
 
 
 @dataclass(frozen=True)
@@ -78,9 +85,16 @@ def trash_block(namespace_path: Path, group: int, hi: int, lo: int, path: str) -
     return _move(path, namespace_path / TRASH, name)
 
 
-def quarantine_file(namespace_path: Path, name: str, path: str) -> str | None:
-    """Move ``path`` (a file or directory) into ``<ns>/quarantine/<name>-<ns time>``."""
-    return _move(path, namespace_path / QUARANTINE, f"{name}-{time.time_ns()}")
+def quarantine_file(
+    namespace_path: Path, name: str, path: str, identity: FileId | None = None
+) -> str | None:
+    """Move ``path`` (a file or directory) into ``<ns>/quarantine/<name>-<ns time>``.
+
+    With ``identity`` (the st_dev, st_ino of the file that was judged) only that file is
+    moved: if a writer re-published the name since, :class:`ReplacedError` and the new file
+    stays (see :func:`kvstore.io.entries.move_if_same`). None if ``path`` is gone.
+    """
+    return _move(path, namespace_path / QUARANTINE, f"{name}-{time.time_ns()}", identity)
 
 
 def remove_namespace_dir(root: Path, name: str) -> Path:
@@ -144,9 +158,10 @@ def restamp_future(held: Iterable[HeldFile], now_ns: int | None = None) -> list[
     return out
 
 
-def _move(path: str, directory: Path, name: str) -> str | None:
+def _move(path: str, directory: Path, name: str, identity: FileId | None = None) -> str | None:
     """Rename ``path`` to ``directory/name``, entering ``directory`` (and its parent, the
-    namespace) only as real directories; None if ``path`` or the namespace is gone."""
+    namespace) only as real directories; None if ``path`` or the namespace is gone. With
+    ``identity``, only if ``path`` still is that file (else :class:`ReplacedError`)."""
     try:
         parent = os.open(directory.parent, _DIR_FLAGS)
     except FileNotFoundError:
@@ -173,7 +188,17 @@ def _move(path: str, directory: Path, name: str) -> str | None:
                 raise
             raise HeldDirectoryError(_not_a_directory(directory)) from None
         try:
-            os.rename(path, name, dst_dir_fd=held)
+            if identity is not None:
+                outcome = move_if_same(DEFAULT_FILEIO, None, path, held, name, identity)
+                if outcome == "gone":
+                    return None
+                if outcome == "replaced":
+                    raise ReplacedError(
+                        f"{path}: the name now holds another file than the one checked "
+                        "(re-published meanwhile), left in place"
+                    )
+            else:
+                os.rename(path, name, dst_dir_fd=held)
         except FileNotFoundError:
             return None  # gone already (another gc, a reader's quarantine, rm of the namespace)
         finally:

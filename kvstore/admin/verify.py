@@ -44,14 +44,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.admin.blockfile import BlockFault, check_block_file
+from kvstore.admin.blockfile import BlockFault, judge_block_file
 from kvstore.admin.progress import Progress
 from kvstore.admin.report import print_json, print_lines, table
 from kvstore.admin.scan import Entry, fanout_dirs, file_kind, open_root, scan_store
 from kvstore.admin.sizes import format_duration, format_size
-from kvstore.admin.trash import HeldDirectoryError, quarantine_file
+from kvstore.admin.trash import HeldDirectoryError, ReplacedError, quarantine_file
 from kvstore.errors import StoreFormatError
+from kvstore.io.entries import FileId, remove_if_same
+from kvstore.io.fileio import DEFAULT_FILEIO
 from kvstore.store import metadata
+from kvstore.store.check import ShardSpec
+from kvstore.store.codec import Codec
 from kvstore.store.paths import QUARANTINE, TRASH, ZARR_JSON
 from kvstore.store.view import NamespaceView, read_document
 
@@ -166,24 +170,20 @@ def _check_blocks(
 ) -> tuple[int, int, list[Finding]]:
     """(blocks checked, blocks that vanished meanwhile, findings)."""
 
-    def check(block: Entry) -> BlockFault | FileNotFoundError | None:
+    def check(block: Entry) -> tuple[BlockFault | None, FileId | None] | FileNotFoundError:
+        """The verdict on ``block`` and the identity of the file judged (the one a fix may
+        move: a copy re-published under the name after this check is never touched)."""
         ns = namespaces[block.namespace or ""]
         assert block.group is not None
         group = ns.groups[block.group]
+        codec = Codec.for_name(group.compression, group.layout.itemsize)
+        spec = ShardSpec(group.layout, ns.digest, group.index, codec)
         try:
-            return check_block_file(
-                block.path,
-                group.layout,
-                ns.digest,
-                group.index,
-                block.hash_hi,
-                block.hash_lo,
-                group.compression,
-            )
+            return judge_block_file(block.path, spec, block.hash_hi, block.hash_lo)
         except FileNotFoundError as exc:
             return exc
         except OSError as exc:
-            return BlockFault("unreadable", f"{type(exc).__name__}: {exc}")
+            return BlockFault("unreadable", f"{type(exc).__name__}: {exc}"), None
 
     findings: list[Finding] = []
     checked = vanished = 0
@@ -198,18 +198,16 @@ def _check_blocks(
                 vanished += 1  # evicted or quarantined while we looked: not a finding
                 continue
             checked += 1
-            if outcome is None:
+            fault, identity = outcome
+            if fault is None:
                 continue
             action = None
             if options.fix:
                 ns = namespaces[block.namespace or ""]
-                action = _quarantine(
-                    ns, f"g{block.group}-{block.hash_hi}-{block.hash_lo}", block.path
-                )
+                name = f"g{block.group}-{block.hash_hi}-{block.hash_lo}"
+                action = _quarantine(ns, name, block.path, identity)
             findings.append(
-                Finding(
-                    outcome.kind, block.path, block.namespace, block.group, outcome.detail, action
-                )
+                Finding(fault.kind, block.path, block.namespace, block.group, fault.detail, action)
             )
     return checked, vanished, findings
 
@@ -248,11 +246,17 @@ def _check_metadata(namespaces: Sequence[NamespaceView], options: VerifyOptions)
 def _fix_temp(temp: Entry, detail: str, options: VerifyOptions) -> Finding:
     action = None
     if options.fix:
+        # The file judged old, never one that took its name since (a by-name unlink would).
         try:
-            Path(temp.path).unlink()
-            action = "deleted"
-        except FileNotFoundError:
-            action = "vanished before the fix"
+            outcome = remove_if_same(DEFAULT_FILEIO, None, temp.path, (temp.dev, temp.ino))
+        except OSError as exc:
+            action = f"left in place (cannot delete: {exc.strerror or exc})"
+        else:
+            action = {
+                "removed": "deleted",
+                "gone": "vanished before the fix",
+                "replaced": "left in place (the name holds another file since the check)",
+            }[outcome]
     return Finding(ORPHAN_TEMP, temp.path, temp.namespace, temp.group, detail, action)
 
 
@@ -273,7 +277,7 @@ def _fix_foreign(
         else:
             ns = namespaces[entry.namespace]
             quarantined = "foreign-" + os.path.relpath(entry.path, ns.path).replace(os.sep, "-")
-            action = _quarantine(ns, quarantined, entry.path)
+            action = _quarantine(ns, quarantined, entry.path, (entry.dev, entry.ino))
     return Finding(kind, entry.path, entry.namespace, entry.group, detail, action)
 
 
@@ -321,9 +325,13 @@ def _unlink_link(path: str) -> str:
     return "unlinked (the link only)"
 
 
-def _quarantine(ns: NamespaceView, name: str, path: str) -> str:
+def _quarantine(ns: NamespaceView, name: str, path: str, identity: FileId | None) -> str:
+    """Move the file judged (``identity``; None: a non-regular entry, moved by name) into
+    quarantine; the action taken, in words."""
     try:
-        moved = quarantine_file(ns.path, name, path)
+        moved = quarantine_file(ns.path, name, path, identity)
+    except ReplacedError:
+        return "left in place (the name holds another file since the check: re-published)"
     except HeldDirectoryError as exc:
         return f"left in place ({exc})"
     except OSError as exc:

@@ -40,7 +40,8 @@ import torch
 
 from kvstore.checksum import Checksum, checksum_function, checksum_tensor_rows
 from kvstore.errors import CorruptBlockError, EntryKindError, StoreFormatError
-from kvstore.io.fileio import DEFAULT_FILEIO, describe_os_error, read_fully
+from kvstore.io.entries import FileId, describe_os_error, file_id
+from kvstore.io.fileio import DEFAULT_FILEIO, read_fully
 from kvstore.keys import hash_coords
 from kvstore.store import format as fmt
 from kvstore.store.codec import Codec, compressed_bounds, decode_index
@@ -186,6 +187,9 @@ class BlockCheck:
     # Faults found after the checksums: non-zero padding, stored chunks that do not decode.
     content_faults: tuple[Fault, ...] = ()
     error: OSError | None = field(default=None, compare=False)  # why it could not be read
+    # (st_dev, st_ino) of the file that was read (None when it could not be opened): a fix
+    # acts on this file only, never on whatever holds the name by then.
+    identity: FileId | None = field(default=None, compare=False)
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -257,7 +261,7 @@ def check_file(
     path = Path(path)
     _, high = spec.size_bounds
     try:
-        size, raw = _read_bounded(str(path), high)
+        st, raw = _read_bounded(str(path), high)
     except OSError as exc:
         reason = (
             "missing (no such file)"
@@ -269,6 +273,7 @@ def check_file(
         kind = CORRUPT if isinstance(exc, EntryKindError) else UNREADABLE
         fault = Fault(kind, f"cannot open: {reason}")
         return BlockCheck(path, -1, None, (fault,), unread, error=exc), data
+    size = st.st_size
     view = memoryview(raw)
     faults = _size_faults(spec, size)
     header: BlockHeader | None = None
@@ -314,7 +319,9 @@ def check_file(
         states.append(_chunk(layout, c, state, slot, computed))
     if not _padding_is_zero(view, layout, compressed=spec.codec is not None):
         late.append(Fault(CORRUPT, "padding: expected zero bytes, got non-zero (bytes damaged)"))
-    check = BlockCheck(path, size, header, tuple(faults), tuple(states), tuple(late))
+    check = BlockCheck(
+        path, size, header, tuple(faults), tuple(states), tuple(late), identity=file_id(st)
+    )
     return check, data
 
 
@@ -405,15 +412,16 @@ def quick_check(
     return (None, faults[0]) if faults else (header, None)
 
 
-def _read_bounded(path: str, limit: int) -> tuple[int, bytearray]:
-    """(size, the file's first ``min(size, limit)`` bytes) of a regular file; one read."""
+def _read_bounded(path: str, limit: int) -> tuple[os.stat_result, bytearray]:
+    """(the fstat of the file opened, its first ``min(size, limit)`` bytes) of a regular
+    file; one read."""
     fd, st = DEFAULT_FILEIO.open_regular(path)
     try:
         buf = bytearray(min(st.st_size, limit))
         got = read_fully(DEFAULT_FILEIO, fd, [buf], 0)
     finally:
         DEFAULT_FILEIO.close(fd)
-    return st.st_size, buf[:got] if got < len(buf) else buf
+    return st, buf[:got] if got < len(buf) else buf
 
 
 def _size_faults(spec: ShardSpec, size: int) -> list[Fault]:
