@@ -54,7 +54,8 @@ from typing import Protocol, TypeVar
 import torch
 
 from kvstore.config import StoreConfig
-from kvstore.io.fileio import FileId, FileIO
+from kvstore.io.entries import FileId
+from kvstore.io.fileio import FileIO
 from kvstore.io.types import DirectIOProbe, Segment
 
 T = TypeVar("T")
@@ -88,7 +89,7 @@ class Engine(Protocol):
         self, path: str, file_nbytes: int, segments: Sequence[Segment] = ()
     ) -> None: ...
 
-    def read_file(
+    def read_file(  # noqa: PLR0913 - the engine contract's read: file, segments, expected size, mtime-touch threshold and two keyword-only modes
         self,
         path: str,
         segments: Sequence[Segment],
@@ -123,7 +124,7 @@ class DeviceEngine(Engine, Protocol):
         self, path: str, file_nbytes: int, segments: Sequence[AnySegment] = ()
     ) -> None: ...
 
-    def read_file(
+    def read_file(  # noqa: PLR0913 - the engine contract's read: file, segments, expected size, mtime-touch threshold and two keyword-only modes
         self,
         path: str,
         segments: Sequence[AnySegment],

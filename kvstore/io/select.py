@@ -140,7 +140,7 @@ class Selection:
     line: str  # the one log line ("" for read-only stores)
 
 
-def select_engine(
+def select_engine(  # noqa: PLR0912, PLR0915 - one decision table (io_mode x probe outcome x staging), read top to bottom as the module docstring lists it
     config: StoreConfig,
     fio: FileIO = DEFAULT_FILEIO,
     *,

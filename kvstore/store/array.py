@@ -93,7 +93,7 @@ class GroupArray:
 
     def open_dir(self, directory: str, created: list[str] | None = None) -> int:
         """A descriptor of ``directory`` (below the store root), entered from the root with no
-        link followed (:func:`~kvstore.io.fileio.open_dir_nofollow`); missing directories are
+        link followed (:func:`~kvstore.io.entries.open_dir_nofollow`); missing directories are
         created (and listed in ``created``) when ``created`` is given. The caller closes it."""
         root = self.array_path.parent.parent  # <root>/<namespace>/g<k>
         parts = os.path.relpath(directory, root).split(os.sep)

@@ -67,7 +67,8 @@ from kvstore.checksum import checksum_function
 from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError, KvstoreError
 from kvstore.io.buffers import ThreadStaging
 from kvstore.io.engine import Engine
-from kvstore.io.fileio import FileId, corrupt_file_is, read_fully
+from kvstore.io.entries import FileId, corrupt_file_is
+from kvstore.io.fileio import read_fully
 from kvstore.io.types import Segment
 from kvstore.store import check
 from kvstore.store import format as fmt
@@ -91,7 +92,7 @@ class CompressedShards:
 
     # -- writing -----------------------------------------------------------------------------
 
-    def segments(
+    def segments(  # noqa: PLR0913 - the header fields of the block (hash, parent, time, checksum algo) and its data with their stride
         self,
         block_hash: bytes,
         parent: bytes | None,
@@ -134,7 +135,7 @@ class CompressedShards:
         segments.append((data_end, memoryview(index)))
         return segments, file_nbytes
 
-    def publish_from_raw(
+    def publish_from_raw(  # noqa: PLR0913 - the three file names of a multi-writer publish, the pending block and the publisher's callback
         self,
         raw_tmp: str,
         packed_tmp: str,
@@ -194,7 +195,7 @@ class CompressedShards:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def read(
+    def read(  # noqa: PLR0913 - the block (path, hash), the chunks and their buffer, and the reader's verify/touch settings
         self,
         path: str,
         block_hash: bytes,
@@ -215,7 +216,7 @@ class CompressedShards:
         with corrupt_file_is(st):
             self._read_verified(fd, st, block_hash, chunks, out, verify, touch_if_older_than_ns)
 
-    def _read_verified(
+    def _read_verified(  # noqa: PLR0913 - :meth:`read` on an open descriptor and its fstat
         self,
         fd: int,
         st: os.stat_result,

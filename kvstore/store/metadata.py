@@ -23,7 +23,8 @@ from zarr.storage import MemoryStore
 from kvstore.config import COMPRESSION_NAME
 from kvstore.errors import StoreFormatError
 from kvstore.identity import GroupSpec, Identity
-from kvstore.io.fileio import FileIO, describe_kind, describe_os_error, sync_parents, write_fully
+from kvstore.io.entries import describe_kind, describe_os_error
+from kvstore.io.fileio import FileIO, sync_parents, write_fully
 from kvstore.store.codec import Codec
 from kvstore.store.format import FORMAT_VERSION, ShardLayout
 from kvstore.store.paths import DOC_TMP_PREFIX, ZARR_JSON
@@ -118,7 +119,7 @@ def _build(create: Any) -> bytes:
     return raw
 
 
-def write_document(
+def write_document(  # noqa: PLR0913 - the document, where it goes, and the store's durability and permission settings
     fio: FileIO,
     directory: Path,
     content: bytes,

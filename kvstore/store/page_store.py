@@ -27,7 +27,8 @@ from kvstore.config import StoreConfig
 from kvstore.errors import IdentityMismatchError, StoreFormatError
 from kvstore.identity import Identity
 from kvstore.io.engine import Engine
-from kvstore.io.fileio import DEFAULT_FILEIO, FileIO, describe_kind, sync_parents
+from kvstore.io.entries import describe_kind
+from kvstore.io.fileio import DEFAULT_FILEIO, FileIO, sync_parents
 from kvstore.io.host import PROBE_PREFIX
 from kvstore.io.select import Probes, select_engine
 from kvstore.io.staging import Staging

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import EntryKindError
-from kvstore.io.fileio import describe_kind, describe_os_error, open_dir_nofollow
+from kvstore.io.entries import describe_kind, describe_os_error, open_dir_nofollow
 from kvstore.keys import HASH_HI_FANOUT, HASH_LO_BITS, hash_coords
 
 ZARR_JSON = "zarr.json"
@@ -243,7 +243,7 @@ def list_dir(
     Without ``root``, ``path`` is opened with ``O_NOFOLLOW | O_DIRECTORY | O_NONBLOCK``: a
     symbolic link, FIFO or file there lists as empty (its parent's listing shows what it is).
     With ``root`` (a directory above ``path``), every component below ``root`` is entered
-    without following a link (:func:`~kvstore.io.fileio.open_dir_nofollow`), and one that is
+    without following a link (:func:`~kvstore.io.entries.open_dir_nofollow`), and one that is
     not a real directory raises :class:`~kvstore.errors.EntryKindError` naming it. Either way
     a missing directory lists as empty and entries that vanish while listed are left out; any
     other failure (EACCES, EIO, ...) raises that ``OSError``. Every tool lists through here.

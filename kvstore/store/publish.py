@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from kvstore.checksum import checksum_chunks, checksum_tensor_rows
 from kvstore.errors import KvstoreError
 from kvstore.io.engine import AnySegment, Data
-from kvstore.io.fileio import FileId, file_id, remove_if_same, sync_parents
+from kvstore.io.entries import FileId, file_id, remove_if_same
+from kvstore.io.fileio import sync_parents
 from kvstore.keys import check_hash
 from kvstore.store import format as fmt
 from kvstore.store.array import GroupArray, short_hash

@@ -30,7 +30,7 @@ from kvstore.checksum import DEVICE_ALGOS, NAMES
 from kvstore.errors import BlockMissingError, CorruptBlockError, EntryKindError, KvstoreError
 from kvstore.io.buffers import ThreadStaging, is_aligned
 from kvstore.io.engine import AnySegment, Data
-from kvstore.io.fileio import FileId, move_if_same, remove_if_same
+from kvstore.io.entries import FileId, move_if_same, remove_if_same
 from kvstore.keys import check_hash, hash_coords
 from kvstore.store import check
 from kvstore.store import format as fmt
@@ -79,7 +79,7 @@ class Reader:
         )
         return results
 
-    def _read_one(self, req: BlockRead) -> int:
+    def _read_one(self, req: BlockRead) -> int:  # noqa: PLR0912, PLR0915 - one verified read: buffer checks, engine choice, verify, quarantine on a bad file, copy-out; each step commented
         array = self.array
         block_hash = check_hash(req.block_hash)
         layout = array.layout
@@ -191,12 +191,12 @@ class Reader:
         )
         return ReadResult(ReadStatus.ERROR, str(exc))
 
-    def quarantine(self, block_hash: bytes, read_id: FileId | None) -> str:
+    def quarantine(self, block_hash: bytes, read_id: FileId | None) -> str:  # noqa: PLR0911 - each early return is one outcome in words for the log line (read-only, unknown file, gone, cannot enter, moved, removed)
         """Move the corrupt file that was read (``read_id``) out of the block's name, into
         ``<namespace>/quarantine``; the words for the log line say what happened.
 
         Every directory on the way is entered without following a symbolic link
-        (:func:`~kvstore.io.fileio.open_dir_nofollow`, from the store root), and the rename
+        (:func:`~kvstore.io.entries.open_dir_nofollow`, from the store root), and the rename
         goes between those open directories: a link planted at ``quarantine`` (or anywhere
         above the block) never takes the file out of the root. If ``quarantine`` is not a real
         directory the file is removed instead (it is never served either way). The file is

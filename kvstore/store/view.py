@@ -35,7 +35,7 @@ from typing import Any
 
 from kvstore.errors import KvstoreError, StoreFormatError
 from kvstore.identity import DType, GroupSpec, Identity
-from kvstore.io.fileio import describe_kind
+from kvstore.io.entries import describe_kind
 from kvstore.store import metadata, paths
 from kvstore.store.check import ShardSpec
 from kvstore.store.codec import Codec

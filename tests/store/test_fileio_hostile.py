@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from kvstore.errors import EntryKindError
-from kvstore.io import fileio
-from kvstore.io.fileio import FileIO, file_id, move_if_same, open_dir_nofollow, remove_if_same
+from kvstore.io import entries
+from kvstore.io.entries import file_id, move_if_same, open_dir_nofollow, remove_if_same
+from kvstore.io.fileio import FileIO
 from tests.store.test_hostile_store import finishes
 
 
@@ -187,4 +188,4 @@ def test_describe_os_error_drops_the_descriptor_number(tmp_path: Path) -> None:
             os.fdopen(fd, "rb")
     finally:
         os.close(fd)
-    assert fileio.describe_os_error(info.value) == "[Errno 21] Is a directory"
+    assert entries.describe_os_error(info.value) == "[Errno 21] Is a directory"

@@ -29,7 +29,8 @@ import numpy as np
 import pytest
 
 from kvstore.errors import StoreFormatError
-from kvstore.io.fileio import FileId, FileIO
+from kvstore.io.entries import FileId
+from kvstore.io.fileio import FileIO
 from kvstore.store.group_store import GroupStore
 from kvstore.store.page_store import KVStore
 from kvstore.store.paths import QUARANTINE

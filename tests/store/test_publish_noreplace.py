@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.io import fileio
+from kvstore.io import rename
 from kvstore.io.fileio import FileIO
 from kvstore.store import metadata
 from kvstore.store.paths import DOC_TMP_PREFIX, ZARR_JSON
@@ -33,7 +33,7 @@ def _refuse_flag(*args: Any) -> int:
 @pytest.fixture(params=["renameat2", "link", "check"])
 def path_taken(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param in ("link", "check"):
-        monkeypatch.setattr(fileio, "_renameat2", _refuse_flag)
+        monkeypatch.setattr(rename, "_renameat2", _refuse_flag)
     if request.param == "check":
 
         def no_links(src: str, dst: str) -> None:
