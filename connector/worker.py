@@ -61,7 +61,7 @@ log = logging.getLogger("kvstore.connector")
 
 # Test-only hook, never set in production: loaded pages are zeroed after verification (the
 # e2e tier's negative control shows that the engine's output then changes).
-PERTURB_LOADS_ENV = "KVSTORE_TEST_PERTURB_LOADS"
+PERTURB_LOADS_ENV = "KVTEST_PERTURB_LOADS"
 
 
 @dataclass(frozen=True)

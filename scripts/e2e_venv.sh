@@ -5,7 +5,7 @@
 #
 #   PY=$(scripts/e2e_venv.sh | tail -n1)
 #
-# Location: $KVSTORE_E2E_VENV, else ~/.cache/kvstore-e2e/venv-<hash of tests/e2e/requirements.txt
+# Location: $KVTEST_E2E_VENV, else ~/.cache/kvstore-e2e/venv-<hash of tests/e2e/requirements.txt
 # and this script>, so a fresh clone on the same machine reuses it and a changed pin builds anew.
 # A venv counts as built only once its stamp file exists (written last); a half-built one is
 # removed and rebuilt. Concurrent callers wait on a lock instead of building twice.
@@ -15,7 +15,7 @@
 #   torch they make `import vllm.config` fail (torchvision::nms missing). Text models need none
 #   of them, so they are uninstalled.
 # - torch is pinned to the +cpu build in requirements.txt so that no later install replaces it.
-#   pip finds it in a local wheel directory (find-links) or in KVSTORE_E2E_TORCH_INDEX
+#   pip finds it in a local wheel directory (find-links) or in KVTEST_E2E_TORCH_INDEX
 #   (default https://download.pytorch.org/whl/cpu, used only when that variable is set).
 # - The tests put the repository under test first on PYTHONPATH, so the editable install of
 #   kvstore made here (pointing at the clone that built the venv) never shadows a newer clone.
@@ -24,9 +24,9 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 req="$repo/tests/e2e/requirements.txt"
 hash="$(cat "$req" "$repo/scripts/e2e_venv.sh" | sha256sum | cut -c1-12)"
-venv="${KVSTORE_E2E_VENV:-$HOME/.cache/kvstore-e2e/venv-$hash}"
+venv="${KVTEST_E2E_VENV:-$HOME/.cache/kvstore-e2e/venv-$hash}"
 stamp="$venv/.kvstore-e2e-built"
-base_python="${KVSTORE_E2E_BASE_PYTHON:-python3}"
+base_python="${KVTEST_E2E_BASE_PYTHON:-python3}"
 
 log() { echo "e2e_venv: $*" >&2; }
 
@@ -52,8 +52,8 @@ start=$(date +%s)
 "$base_python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 extra=()
-if [ -n "${KVSTORE_E2E_TORCH_INDEX:-}" ]; then
-  extra=(--extra-index-url "$KVSTORE_E2E_TORCH_INDEX")
+if [ -n "${KVTEST_E2E_TORCH_INDEX:-}" ]; then
+  extra=(--extra-index-url "$KVTEST_E2E_TORCH_INDEX")
 fi
 torch_pin="$(grep -E '^torch==' "$req")"
 

@@ -1,4 +1,4 @@
-"""The test-only ``KVSTORE_TEST_PERTURB_LOADS=1`` hook zeroes exactly the loaded pages.
+"""The test-only ``KVTEST_PERTURB_LOADS=1`` hook zeroes exactly the loaded pages.
 
 The e2e tier's negative control (tests/e2e) relies on it; here the harness checks what it does
 to per-layer and packed KV tensors: the loaded prefix is wrong (zeros), the store is untouched.

@@ -1,7 +1,7 @@
 """Fixtures of the e2e tier: the e2e venv's python, tiny local models, engine environments.
 
 Without the e2e venv (``scripts/e2e_venv.sh``) every e2e test skips with the reason, unless
-``KVSTORE_E2E_REQUIRED=1`` (``.ci/run`` sets it): then it fails. ``KVSTORE_E2E=0`` skips the
+``KVTEST_E2E_REQUIRED=1`` (``.ci/run`` sets it): then it fails. ``KVTEST_E2E=0`` skips the
 tier (``.ci/run`` sets it for its main pytest run, after running this tier on its own).
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 from .engine import REQUIRED_ENV, e2e_venv_python, engine_env
 
-SEPARATE_ENV = "KVSTORE_E2E"  # "0": skip the tier (it runs as a separate pytest run)
+SEPARATE_ENV = "KVTEST_E2E"  # "0": skip the tier (it runs as a separate pytest run)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ Usage::
      "tp": 1, "dtype": "bfloat16", "block_size": 32, "kv_cache_layout": "LBHNC" | "BLHNC",
      "widen_cpu_layouts": false,            # let the CPU backend accept BLHNC (see below)
      "max_model_len": 1024, "max_tokens": 8,
-     "env": {"KVSTORE_TEST_PERTURB_LOADS": "1"},
+     "env": {"KVTEST_PERTURB_LOADS": "1"},
      "batches": [[[1, 2, 3, ...], ...], "reset", ...]}  # run one after another; "reset":
                                             # llm.reset_prefix_cache(); "reset_connector":
                                             # the same with reset_connector=True
@@ -39,7 +39,7 @@ layout and refuses ``VLLM_KV_CACHE_LAYOUT=BLHNC`` at start-up, although its kern
 layer's block through strided views and compute the same result on packed rows. The packed
 (cross-layer) KV tensor can therefore only be run on CPU by widening the backend's declared
 layouts, which this driver does in its own process before the engine starts and, through
-``KVSTORE_E2E_WIDEN_CPU_LAYOUTS=1``, in the worker processes vLLM spawns (they import this file
+``KVTEST_E2E_WIDEN_CPU_LAYOUTS=1``, in the worker processes vLLM spawns (they import this file
 again as their ``__main__``). Nothing else in the engine is changed.
 """
 
@@ -61,7 +61,7 @@ VOCAB = 512
 # Batch entries that are not prompts: llm.reset_prefix_cache(), of the engine's own prefix
 # cache only, or also of the connector's state (reset_connector=True).
 RESETS = ("reset", "reset_connector")
-WIDEN_ENV = "KVSTORE_E2E_WIDEN_CPU_LAYOUTS"  # set by the driver for its own engine processes
+WIDEN_ENV = "KVTEST_E2E_WIDEN_CPU_LAYOUTS"  # set by the driver for its own engine processes
 
 # The tiny models. head_dim 32 and block sizes that are multiples of 32: vLLM's CPU attention
 # supports nothing smaller. Embeddings are untied: tied random embeddings make the output

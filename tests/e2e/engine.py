@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("driver.py")
 REQUIREMENTS = Path(__file__).with_name("requirements.txt")
 VENV_SCRIPT = REPO / "scripts" / "e2e_venv.sh"
-REQUIRED_ENV = "KVSTORE_E2E_REQUIRED"  # "1": a missing e2e venv fails the tier (CI)
+REQUIRED_ENV = "KVTEST_E2E_REQUIRED"  # "1": a missing e2e venv fails the tier (CI)
 ENGINE_TIMEOUT_S = 600
 
 
@@ -32,7 +32,7 @@ def e2e_venv_python() -> Path | None:
     digest = hashlib.sha256(REQUIREMENTS.read_bytes() + VENV_SCRIPT.read_bytes()).hexdigest()
     digest = digest[:12]
     default = Path.home() / ".cache" / "kvstore-e2e" / f"venv-{digest}"
-    venv = Path(os.environ.get("KVSTORE_E2E_VENV") or default)
+    venv = Path(os.environ.get("KVTEST_E2E_VENV") or default)
     stamp = venv / ".kvstore-e2e-built"
     python = venv / "bin" / "python"
     try:
@@ -49,8 +49,8 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + path if path else "")
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("VLLM_KV_CACHE_LAYOUT", None)
-    env.pop("KVSTORE_TEST_PERTURB_LOADS", None)
-    env.pop("KVSTORE_E2E_WIDEN_CPU_LAYOUTS", None)
+    env.pop("KVTEST_PERTURB_LOADS", None)
+    env.pop("KVTEST_E2E_WIDEN_CPU_LAYOUTS", None)
     env.update(extra or {})
     return env
 

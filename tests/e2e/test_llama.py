@@ -15,7 +15,7 @@ loaded. The steps share one store (``root``) and run in this order, each once pe
 * ``load``: a new TP=1 per-layer process loads P (stored by TP=1), Q (by TP=2), R (by the
   packed engine), then, after a prefix-cache reset, S, which shares only its first 3 blocks
   with P[0];
-* ``perturb``: as ``load``, with the test-only hook ``KVSTORE_TEST_PERTURB_LOADS=1`` zeroing
+* ``perturb``: as ``load``, with the test-only hook ``KVTEST_PERTURB_LOADS=1`` zeroing
   every page after it was loaded and verified: the tokens must change (negative control);
 * ``damaged``: a copy of the store with a corrupt middle block of P[0] and a vanished block
   file of P[1], then Q[0]: recomputed from the bad block on, the engine keeps serving; after a
@@ -73,7 +73,7 @@ def chain(e2e_python: str, tiny_llama: Path, tmp_path_factory: pytest.TempPathFa
     c.add("packed", Step({"store_root": str(root), **packed, "batches": each(*P, *R)}, ("tp2",)))
     load = [*each(*P, *Q, *R), "reset", [S]]
     c.add("load", Step({"store_root": str(root), "batches": load}, ("packed",)))
-    perturb = {"KVSTORE_TEST_PERTURB_LOADS": "1"}
+    perturb = {"KVTEST_PERTURB_LOADS": "1"}
     c.add(
         "perturb", Step({"store_root": str(root), "env": perturb, "batches": each(*P)}, ("load",))
     )

@@ -8,7 +8,7 @@ takes there. Steps (engine processes, tests/e2e/driver.py):
 
 * ``store``: computes and stores P (an empty store: a run that loads nothing);
 * ``load``: a new process loads P: the same greedy tokens;
-* ``perturbed``: a new process loads P with the test-only ``KVSTORE_TEST_PERTURB_LOADS=1``
+* ``perturbed``: a new process loads P with the test-only ``KVTEST_PERTURB_LOADS=1``
   (pages zeroed after verification): the first token changes.
 
 float32: in bf16 the CPU MLA kernels' full prefill and their prefill over a loaded context
@@ -42,7 +42,7 @@ def mla(e2e_python: str, e2e_models: Path, tmp_path_factory: pytest.TempPathFact
     job = {"store_root": str(root), "block_size": MLA_BLOCK, "batches": [[P]]}
     c.add("store", Step(job))
     c.add("load", Step(job, ("store",)))
-    perturb = {"KVSTORE_TEST_PERTURB_LOADS": "1"}
+    perturb = {"KVTEST_PERTURB_LOADS": "1"}
     c.add("perturbed", Step({**job, "env": perturb}, ("load",)))
     return c
 
