@@ -229,23 +229,10 @@ def _check_choice(name: str, value: object, choices_type: Any) -> None:
 
 def _convert(name: str, value: object, default: object) -> object:
     """Convert ``value`` to the type of the field's current value, strictly."""
-    if isinstance(default, bool):
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in {"1", "true", "yes", "on"}:
-            return True
-        if isinstance(value, str) and value.lower() in {"0", "false", "no", "off"}:
-            return False
-        raise ConfigError(f"{name}: expected a bool, got {value!r}")
+    if isinstance(default, bool):  # before int: a bool is an int
+        return _to_bool(name, value)
     if isinstance(default, int):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value, 10)
-            except ValueError:
-                pass
-        raise ConfigError(f"{name}: expected an int, got {value!r}")
+        return _to_int(name, value)
     if isinstance(default, Path):  # the root: checked before Path("") turns into "."
         return check_root(value)
     if isinstance(default, str):
@@ -253,3 +240,24 @@ def _convert(name: str, value: object, default: object) -> object:
             return value
         raise ConfigError(f"{name}: expected a string, got {value!r}")
     raise ConfigError(f"{name}: cannot convert {value!r}")  # pragma: no cover - new field type
+
+
+def _to_bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in {"1", "true", "yes", "on"}:
+        return True
+    if isinstance(value, str) and value.lower() in {"0", "false", "no", "off"}:
+        return False
+    raise ConfigError(f"{name}: expected a bool, got {value!r}")
+
+
+def _to_int(name: str, value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value, 10)
+        except ValueError:
+            pass
+    raise ConfigError(f"{name}: expected an int, got {value!r}")

@@ -46,7 +46,7 @@ def read_header(path: str) -> BlockHeader:
     return check.read_header(path)[0]
 
 
-def check_block_file(
+def check_block_file(  # noqa: PLR0913 - a listed block's coordinates spelled out (tests and reliability checks hold these values, not a ShardSpec)
     path: str,
     layout: ShardLayout,
     namespace_digest: bytes,

@@ -364,7 +364,7 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
             signal.signal(s, h)
 
 
-def watch(
+def watch(  # noqa: PLR0913 - root, policy and the watch loop's keyword-only controls (interval, pass limit, callback, stop event), each documented
     root: Path,
     policy: Policy,
     *,

@@ -75,7 +75,7 @@ def confirm(name: str, nbytes: int) -> bool:
     return sys.stdin.readline().strip() == name
 
 
-def run(root: Path, name: str, *, yes: bool, grace_s: float, now: bool, as_json: bool) -> int:
+def run(root: Path, name: str, *, yes: bool, grace_s: float, now: bool, as_json: bool) -> int:  # noqa: PLR0913 - keyword-only flags of the `kvstore rm` command, one per CLI option
     """``kvstore rm``: exit 0 removed, 1 not confirmed or not wholly deleted (unpublished all
     the same; the rest is reported and deleted by a later gc), 2 error (no such namespace …)."""
     store = open_root(root)

@@ -123,21 +123,21 @@ def _why(exc: OSError) -> str:
     return f"cannot list: {exc.strerror or exc}"
 
 
+# What each kind of file is called in reports, tested in this order.
+_KIND_NAMES: tuple[tuple[Callable[[int], bool], str], ...] = (
+    (stat.S_ISREG, "regular file"),
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISLNK, "symbolic link"),
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "device"),
+    (stat.S_ISBLK, "device"),
+)
+
+
 def file_kind(mode: int) -> str:
     """What ``mode`` (st_mode) says a file is, in words."""
-    if stat.S_ISREG(mode):
-        return "regular file"
-    if stat.S_ISDIR(mode):
-        return "directory"
-    if stat.S_ISLNK(mode):
-        return "symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
-    return "special file"
+    return next((name for is_kind, name in _KIND_NAMES if is_kind(mode)), "special file")
 
 
 def scan_store(
@@ -221,29 +221,9 @@ def _scan_namespace(
 def _scan_group(
     ns: NamespaceView, group: GroupView, scan: StoreScan, on_dir: Callable[[], None] | None
 ) -> None:
-    # The array directory and the chain c/0/…/0 above the fan-out: only known names allowed,
-    # each entered only if its parent's listing showed a real directory (lstat).
-    directory = str(group.path)
-    child = "c"
-    for depth in range(group.leading_dims + 1):
-        entered = False
-        for name, st in _listing(directory, scan.unreadable):
-            if name == child and stat.S_ISDIR(st.st_mode):
-                entered = True
-                continue
-            if depth == 0 and (
-                (name == ZARR_JSON and stat.S_ISREG(st.st_mode))
-                or (name.startswith(DOC_TMP_PREFIX) and stat.S_ISREG(st.st_mode))
-            ):
-                continue
-            scan.foreign.append(
-                _foreign(f"{directory}{os.sep}{name}", ns.name, group.index, st, scan)
-            )
-        if not entered:
-            return  # missing, or not a real directory (reported above): never scanned through
-        directory = f"{directory}{os.sep}{child}"
-        child = "0"
-    fanout = directory
+    fanout = _enter_chain(ns, group, scan)
+    if fanout is None:
+        return  # missing, or not a real directory (reported): never scanned through
     valid_hi = {str(hi) for hi in paths.FANOUT}
     present: list[int] = []
     for name, st in _listing(fanout, scan.unreadable):
@@ -268,6 +248,37 @@ def _scan_group(
             on_dir()
 
 
+def _enter_chain(ns: NamespaceView, group: GroupView, scan: StoreScan) -> str | None:
+    """The fan-out directory of ``group``, or None where the chain above it breaks.
+
+    The array directory and the chain c/0/…/0 above the fan-out: only known names allowed
+    (anything else is recorded as foreign), each entered only if its parent's listing showed
+    a real directory (lstat)."""
+    directory = str(group.path)
+    child = "c"
+    for depth in range(group.leading_dims + 1):
+        entered = False
+        for name, st in _listing(directory, scan.unreadable):
+            if name == child and stat.S_ISDIR(st.st_mode):
+                entered = True
+                continue
+            if depth == 0 and stat.S_ISREG(st.st_mode) and _is_array_document(name):
+                continue
+            scan.foreign.append(
+                _foreign(f"{directory}{os.sep}{name}", ns.name, group.index, st, scan)
+            )
+        if not entered:
+            return None
+        directory = f"{directory}{os.sep}{child}"
+        child = "0"
+    return directory
+
+
+def _is_array_document(name: str) -> bool:
+    """The array's ``zarr.json`` or a temporary file of its atomic rewrite."""
+    return name == ZARR_JSON or name.startswith(DOC_TMP_PREFIX)
+
+
 def _list_or_error(directory: str) -> list[tuple[str, os.stat_result]] | Problem:
     try:
         return paths.list_dir(directory)
@@ -275,7 +286,7 @@ def _list_or_error(directory: str) -> list[tuple[str, os.stat_result]] | Problem
         return Problem(Path(directory), _why(exc))
 
 
-def _scan_fanout(
+def _scan_fanout(  # noqa: PLR0913 - one fan-out directory's position in the walk (namespace, group, hi, path), its listing and the scan it fills
     ns: NamespaceView,
     group: GroupView,
     hi: int,
@@ -328,7 +339,7 @@ def tree_usage(path: str, unreadable: list[Problem] | None = None) -> tuple[int,
     return files, size
 
 
-def _entry(
+def _entry(  # noqa: PLR0913 - one argument per Entry field a listed file fills; private to the scan
     kind: str,
     path: str,
     namespace: str | None,

@@ -188,24 +188,31 @@ def _move(path: str, directory: Path, name: str, identity: FileId | None = None)
                 raise
             raise HeldDirectoryError(_not_a_directory(directory)) from None
         try:
-            if identity is not None:
-                outcome = move_if_same(DEFAULT_FILEIO, None, path, held, name, identity)
-                if outcome == "gone":
-                    return None
-                if outcome == "replaced":
-                    raise ReplacedError(
-                        f"{path}: the name now holds another file than the one checked "
-                        "(re-published meanwhile), left in place"
-                    )
-            else:
-                os.rename(path, name, dst_dir_fd=held)
-        except FileNotFoundError:
-            return None  # gone already (another gc, a reader's quarantine, rm of the namespace)
+            if not _rename_into(path, held, name, identity):
+                return None  # gone already (another gc, a reader's quarantine, rm of the ns)
         finally:
             os.close(held)
     finally:
         os.close(parent)
     return str(directory / name)
+
+
+def _rename_into(path: str, held: int, name: str, identity: FileId | None) -> bool:
+    """Rename ``path`` to ``name`` in the open directory ``held``; False if ``path`` is gone.
+    With ``identity``, only if ``path`` still is that file (else :class:`ReplacedError`)."""
+    try:
+        if identity is None:
+            os.rename(path, name, dst_dir_fd=held)
+            return True
+        outcome = move_if_same(DEFAULT_FILEIO, None, path, held, name, identity)
+    except FileNotFoundError:
+        return False
+    if outcome == "replaced":
+        raise ReplacedError(
+            f"{path}: the name now holds another file than the one checked "
+            "(re-published meanwhile), left in place"
+        )
+    return outcome == "moved"
 
 
 def _not_a_directory(directory: Path) -> str:

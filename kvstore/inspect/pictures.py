@@ -52,7 +52,7 @@ def magnitude_grid(values: np.ndarray, is_mla: bool, metric: str) -> list[tuple[
     return out
 
 
-def heatmap_png(
+def heatmap_png(  # noqa: PLR0913 - keyword-only plot options of `kvstore-inspect heatmap` (selection, metric, title, size), each documented
     path: Path,
     values: np.ndarray,
     *,

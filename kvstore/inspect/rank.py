@@ -115,7 +115,7 @@ def group_geometry(identity: Identity, group_index: int) -> tuple[GroupGeometry,
     return geometry, source
 
 
-def rank_view(
+def rank_view(  # noqa: PLR0913 - the block and its identity plus the rank query of `kvstore-inspect rank` (layout text, rank, family)
     group: GroupView,
     identity: Identity,
     block: np.ndarray,

@@ -57,7 +57,7 @@ def load_values(group: GroupView, ref: BlockRef, selection: Selection) -> BlockV
     return BlockValues(group, ref, selection, check, raw_array(data, group, selection))
 
 
-def format_values(
+def format_values(  # noqa: PLR0913 - the values and their labels (heads, layers, rows, notes) plus the `--full` switch of the values command
     values: np.ndarray,
     group: GroupView,
     heads: Sequence[int],

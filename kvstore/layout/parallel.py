@@ -656,7 +656,7 @@ def _stage_layers(geometry: GroupGeometry, layout: ParallelLayout, pp_rank: int)
 _Fragment = tuple[int, int, int]
 
 
-def _granules(
+def _granules(  # noqa: PLR0913 - keyword-only inputs of the granule walk, each a distinct piece of the rank mapping
     *,
     geometry: GroupGeometry,
     layout: ParallelLayout,

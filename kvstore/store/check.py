@@ -232,7 +232,7 @@ class BlockCheck:
         return "; ".join(parts)
 
 
-def check_file(
+def check_file(  # noqa: PLR0912, PLR0913, PLR0915 - the one block check: every region of the file checked in file order, each step commented; keyword-only options
     path: str | Path,
     spec: ShardSpec,
     *,

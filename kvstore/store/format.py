@@ -185,7 +185,7 @@ class BlockHeader:
     flags: int = 0
 
 
-def encode_fixed_header(
+def encode_fixed_header(  # noqa: PLR0913 - one argument per field of the fixed header (docs/format.md)
     layout: ShardLayout,
     namespace_digest: bytes,
     group: int,
@@ -272,7 +272,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     )
 
 
-def check_header(
+def check_header(  # noqa: PLR0913 - one argument per header field compared with where the block was found
     header: BlockHeader,
     layout: ShardLayout,
     namespace_digest: bytes,
