@@ -28,6 +28,7 @@ import numpy as np
 from kvstore.io.buffers import aligned_buffer
 from kvstore.io.fileio import O_DIRECT
 from kvstore.io.fileio import drop_tree_cache as drop_cache
+from kvstore.keys import HASH_HI_FANOUT
 from kvstore.store.format import ShardLayout
 
 BATCH = 32  # blocks per call: one scheduler step's worth of stores or loads
@@ -186,7 +187,8 @@ class RawFloor:
         self.direct = direct
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
-        for hi in range(256):
+        # the store's fan-out: one directory per value of a hash's first byte
+        for hi in range(HASH_HI_FANOUT):
             (root / str(hi)).mkdir(parents=True, exist_ok=True)
 
     def describe(self) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvstore.bench.common import RawFloor, make_workload
 from kvstore.bench.lookup import tiny_identity
-from kvstore.bench.throughput import KvstoreSystem
+from kvstore.bench.systems import KvstoreSystem
 
 
 def run(blocks: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstore import bench
+from kvstore.bench import report as bench_report
 from kvstore.bench.common import kv_like_block
 
 TINY = [
@@ -84,11 +85,11 @@ def test_kv_like_values_are_bf16_with_structure() -> None:
 
 
 def test_scaleout_figures_are_embedded_when_present(tmp_path: Path) -> None:
-    assert bench._scaleout_section(tmp_path) == []
+    assert bench_report._scaleout_section(tmp_path) == []
     (tmp_path / "scaleout.md").write_text(
         "## kvstore scale-out\n\nIntro.\n\n### Throughput\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
     )
-    lines = bench._scaleout_section(tmp_path)
+    lines = bench_report._scaleout_section(tmp_path)
     assert lines[1] == "## Scale-out: GlusterFS (FUSE) vs the local disk under it"
     assert not any("kvstore scale-out" in line for line in lines)  # its title is replaced
     assert "### Throughput" in lines and "| 1 | 2 |" in lines  # headings under the section
