@@ -157,23 +157,16 @@ def _group_facts(group_id: int, layer_names: tuple[str, ...], spec: KVCacheSpec)
     def refuse(reason: str) -> GroupFacts:
         return GroupFacts(group_id, layer_names, None, f"{type(spec).__name__}: {reason}")
 
-    if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec):
-        return refuse(
-            "only full attention, sliding-window attention and MLA groups have a canonical "
-            "page form"
-        )
+    reason = _unsupported_spec(spec)
+    if reason is not None:
+        return refuse(reason)
     assert isinstance(spec, FullAttentionSpec | SlidingWindowSpec)  # MLA subclasses Full
-    if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
-        return refuse(f"quantization {spec.kv_quant_mode.name} keeps scales or packing in pages")
-    if spec.num_head_slots is not None or spec.state_content_bytes is not None:
-        return refuse("packed head slots / state content are backend-specific page forms")
-    if spec.tokens_per_state != 1:
-        return refuse(f"tokens_per_state={spec.tokens_per_state} (expected 1 state per token)")
     itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    reason = _page_mismatch(spec, itemsize)
+    if reason is not None:
+        return refuse(reason)
     page = spec.unpadded_page_size_bytes
     if isinstance(spec, MLAAttentionSpec):
-        if page != spec.block_size * spec.head_size * itemsize:
-            return refuse(f"MLA page of {page} bytes is not block_size x latent x itemsize")
         return GroupFacts(
             group_id,
             layer_names,
@@ -183,10 +176,6 @@ def _group_facts(group_id: int, layer_names: tuple[str, ...], spec: KVCacheSpec)
             itemsize=itemsize,
             page_bytes=page,
         )
-    if spec.head_size_v != spec.head_size:
-        return refuse(f"head_size_v={spec.head_size_v} differs from head_size={spec.head_size}")
-    if page != spec.num_kv_heads * spec.block_size * 2 * spec.head_size * itemsize:
-        return refuse(f"page of {page} bytes is not heads x block_size x 2 x head_size x itemsize")
     sliding = isinstance(spec, SlidingWindowSpec)
     return GroupFacts(
         group_id,
@@ -199,3 +188,34 @@ def _group_facts(group_id: int, layer_names: tuple[str, ...], spec: KVCacheSpec)
         itemsize=itemsize,
         page_bytes=page,
     )
+
+
+def _unsupported_spec(spec: KVCacheSpec) -> str | None:
+    """Why pages of ``spec``'s kind have no canonical form kvstore can store, or None."""
+    if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec):
+        return (
+            "only full attention, sliding-window attention and MLA groups have a canonical "
+            "page form"
+        )
+    assert isinstance(spec, FullAttentionSpec | SlidingWindowSpec)  # MLA subclasses Full
+    if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
+        return f"quantization {spec.kv_quant_mode.name} keeps scales or packing in pages"
+    if spec.num_head_slots is not None or spec.state_content_bytes is not None:
+        return "packed head slots / state content are backend-specific page forms"
+    if spec.tokens_per_state != 1:
+        return f"tokens_per_state={spec.tokens_per_state} (expected 1 state per token)"
+    return None
+
+
+def _page_mismatch(spec: FullAttentionSpec | SlidingWindowSpec, itemsize: int) -> str | None:
+    """Why ``spec``'s page is not the dense geometry its fields describe, or None."""
+    page = spec.unpadded_page_size_bytes
+    if isinstance(spec, MLAAttentionSpec):
+        if page != spec.block_size * spec.head_size * itemsize:
+            return f"MLA page of {page} bytes is not block_size x latent x itemsize"
+        return None
+    if spec.head_size_v != spec.head_size:
+        return f"head_size_v={spec.head_size_v} differs from head_size={spec.head_size}"
+    if page != spec.num_kv_heads * spec.block_size * 2 * spec.head_size * itemsize:
+        return f"page of {page} bytes is not heads x block_size x 2 x head_size x itemsize"
+    return None

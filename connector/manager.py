@@ -66,7 +66,7 @@ class _ParentIndex:
 class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
     """Scheduler-side index and publisher of one engine's namespace."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only: the store, namespace, key map and options KVStoreSpec built, the commit-checksum switch, and the clock tests replace
         self,
         *,
         store: KVStore,

@@ -372,7 +372,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
             self._failed_store_keys.extend(outcome.failed_keys)
 
 
-def build_worker(
+def build_worker(  # noqa: PLR0913 - keyword-only: each a distinct object KVStoreSpec.get_worker holds (vLLM's caches and layer views, identity, key map, facts, rank, store); a bundle would only rename the spec
     *,
     kv_caches: CanonicalKVCaches,
     group_ids: Sequence[int],

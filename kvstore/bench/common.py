@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 
-def kv_like_block(
+def kv_like_block(  # noqa: PLR0913 - the block geometry (heads, layers, tokens, head_dim) plus the seed and position of its values
     heads: int, layers: int, tokens: int, head_dim: int, seed: int, position: int = 0
 ) -> np.ndarray:
     """One canonical block of KV-like bf16 values, as its bytes (uint8, C order of
@@ -120,7 +120,7 @@ class Workload:
                 raise RuntimeError(f"{who}: block {i} read back different bytes")
 
 
-def make_workload(
+def make_workload(  # noqa: PLR0913 - layout and count, then keyword-only knobs with defaults (seed, tag, batch, buffer budget)
     layout: ShardLayout,
     count: int,
     *,

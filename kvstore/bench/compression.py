@@ -126,7 +126,7 @@ def measure_codecs(
     return rows
 
 
-def run(
+def run(  # noqa: PLR0913 - one parameter per scripts/bench.py option of the suite (bench._run_compression passes them)
     base: Path,
     model: str,
     block_tokens: Sequence[int],

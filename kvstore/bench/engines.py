@@ -101,7 +101,7 @@ def _batches(n: int) -> list[range]:
     return [range(i, min(n, i + BATCH)) for i in range(0, n, BATCH)]
 
 
-def run_engine(
+def run_engine(  # noqa: PLR0913 - one measured run: engine name, scratch root, the data, threads, device and the identity its store opens
     name: str,
     root: Path,
     data: torch.Tensor,
@@ -264,7 +264,7 @@ def run_checksums(device: torch.device, mib: int = 4, repeat: int = 10) -> dict[
     return out
 
 
-def run(
+def run(  # noqa: PLR0913 - keyword-only, one per `python -m kvstore.bench.engines` option
     *,
     root: Path,
     device: torch.device,

@@ -94,7 +94,7 @@ def read_with(group: GroupStore, model: str, layout: str, hashes: list[bytes]) -
     return total_bytes, seconds
 
 
-def cross_layout(
+def cross_layout(  # noqa: PLR0913 - one parameter per scripts/bench.py option of the suite (bench._run_layouts passes them)
     base: Path,
     model: str,
     block_tokens: int,

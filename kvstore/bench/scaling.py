@@ -18,7 +18,7 @@ from typing import Any
 from kvstore.bench import lookup, throughput
 
 
-def run(
+def run(  # noqa: PLR0913 - one parameter per scripts/bench.py option of the suite (bench._run_scaling passes them)
     base: Path,
     model: str,
     threads: Sequence[int],

@@ -40,7 +40,7 @@ class System(Protocol):
 class KvstoreSystem:
     name = "kvstore"
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - root and identity, then one per StoreConfig field a compared configuration sets
         self,
         root: Path,
         identity: Identity,
@@ -241,7 +241,7 @@ def available_systems(wanted: Sequence[str]) -> tuple[list[str], dict[str, str]]
     return ok, skipped
 
 
-def make_system(
+def make_system(  # noqa: PLR0913 - the union of what the systems' constructors take; each system takes its share
     name: str,
     root: Path,
     identity: Identity,

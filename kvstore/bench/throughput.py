@@ -41,7 +41,7 @@ from kvstore.store.format import ShardLayout
 PHASES = ("write", "cold", "hot")
 
 
-def run_config(
+def run_config(  # noqa: PLR0913 - one configuration of the suite: its scripts/bench.py options plus the model and block size it sweeps
     base: Path,
     model: str,
     block_tokens: int,
@@ -141,7 +141,7 @@ def _warm_up(root: Path, work: Workload, threads: int, durable: bool, direct: bo
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run(
+def run(  # noqa: PLR0913 - one parameter per scripts/bench.py option of the suite (bench._run_throughput passes them)
     base: Path,
     models: Sequence[str],
     block_tokens: Sequence[int],

@@ -163,7 +163,7 @@ def _open_child_dir(dir_fd: int, name: str, where: str) -> int:
         raise EntryKindError(f"{where}: expected a directory, got {kind}") from None
 
 
-def move_if_same(
+def move_if_same(  # noqa: PLR0913 - two (directory, name) pairs as renameat(2) takes them, the FileIO that acts and the identity to match
     fio: EntryOps,
     src_dir_fd: int | None,
     src: str,
