@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore import ConfigError, StoreConfig
+from kvstore.config import strict_int
 
 # Keys of kv_connector_extra_config that vLLM 0.33 itself reads (offloading/config.py,
 # kv_offload/base.py, offloading/scheduler.py, kv_offload/factory.py); 0.32 reads all of them
@@ -131,14 +132,7 @@ def _convert(name: str, value: object, default: object) -> object:
     if isinstance(default, bool):  # pragma: no cover - no bool connector field today
         raise ConfigError(f"{name}: cannot convert {value!r}")
     if isinstance(default, int):
-        if _is_int(value):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value, 10)
-            except ValueError:
-                pass
-        raise ConfigError(f"{name}: expected an int, got {value!r}")
+        return strict_int(name, value)
     if isinstance(default, float):
         if _is_number(value):
             return float(value)  # type: ignore[arg-type]

@@ -232,7 +232,7 @@ def _convert(name: str, value: object, default: object) -> object:
     if isinstance(default, bool):  # before int: a bool is an int
         return _to_bool(name, value)
     if isinstance(default, int):
-        return _to_int(name, value)
+        return strict_int(name, value)
     if isinstance(default, Path):  # the root: checked before Path("") turns into "."
         return check_root(value)
     if isinstance(default, str):
@@ -252,7 +252,9 @@ def _to_bool(name: str, value: object) -> bool:
     raise ConfigError(f"{name}: expected a bool, got {value!r}")
 
 
-def _to_int(name: str, value: object) -> int:
+def strict_int(name: str, value: object) -> int:
+    """``value`` as an int: an int (not a bool) or a base-10 string; else :class:`ConfigError`
+    naming ``name``. Shared by every config parser (env, mappings, the vLLM connector)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, str):

@@ -66,7 +66,6 @@ from kvstore.admin.report import print_json, print_lines, table, warn
 from kvstore.admin.scan import (
     StoreScan,
     fanout_dirs,
-    file_kind,
     open_root,
     scan_store,
 )
@@ -81,6 +80,7 @@ from kvstore.admin.trash import (
 )
 from kvstore.admin.verify import DEFAULT_TMP_AGE_S
 from kvstore.errors import KvstoreError
+from kvstore.io.entries import describe_kind
 from kvstore.store.paths import TRASH
 from kvstore.store.view import StoreView
 
@@ -171,7 +171,7 @@ def _findings(scan: StoreScan, store: StoreView) -> list[dict[str, str]]:
                 {
                     "kind": "trash-unusable",
                     "path": entry.path,
-                    "detail": f"expected a directory, got a {file_kind(entry.mode)} (never "
+                    "detail": f"expected a directory, got {describe_kind(entry.mode)} (never "
                     "entered; evicted blocks of this namespace are deleted directly)",
                 }
             )

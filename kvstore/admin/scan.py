@@ -123,23 +123,6 @@ def _why(exc: OSError) -> str:
     return f"cannot list: {exc.strerror or exc}"
 
 
-# What each kind of file is called in reports, tested in this order.
-_KIND_NAMES: tuple[tuple[Callable[[int], bool], str], ...] = (
-    (stat.S_ISREG, "regular file"),
-    (stat.S_ISDIR, "directory"),
-    (stat.S_ISLNK, "symbolic link"),
-    (stat.S_ISFIFO, "FIFO"),
-    (stat.S_ISSOCK, "socket"),
-    (stat.S_ISCHR, "device"),
-    (stat.S_ISBLK, "device"),
-)
-
-
-def file_kind(mode: int) -> str:
-    """What ``mode`` (st_mode) says a file is, in words."""
-    return next((name for is_kind, name in _KIND_NAMES if is_kind(mode)), "special file")
-
-
 def scan_store(
     store: StoreView,
     namespaces: Iterable[NamespaceView] | None = None,

@@ -45,9 +45,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.admin.scan import HeldFile, file_kind
+from kvstore.admin.scan import HeldFile
 from kvstore.errors import KvstoreError
-from kvstore.io.entries import FileId, move_if_same
+from kvstore.io.entries import FileId, kind_noun, move_if_same
 from kvstore.io.fileio import DEFAULT_FILEIO
 from kvstore.store.paths import QUARANTINE, REMOVED_PREFIX, TRASH
 
@@ -220,7 +220,7 @@ def _not_a_directory(directory: Path) -> str:
         st = os.lstat(directory)
     except OSError:
         return f"{directory}: expected a directory, got none"
-    what = file_kind(st.st_mode)
+    what = kind_noun(st.st_mode)
     if stat.S_ISLNK(st.st_mode):
         with contextlib.suppress(OSError):
             what += f" to {directory.readlink()}"

@@ -47,11 +47,11 @@ from typing import Any
 from kvstore.admin.blockfile import BlockFault, judge_block_file
 from kvstore.admin.progress import Progress
 from kvstore.admin.report import print_json, print_lines, table
-from kvstore.admin.scan import Entry, fanout_dirs, file_kind, open_root, scan_store
+from kvstore.admin.scan import Entry, fanout_dirs, open_root, scan_store
 from kvstore.admin.sizes import format_duration, format_size
 from kvstore.admin.trash import HeldDirectoryError, ReplacedError, quarantine_file
 from kvstore.errors import StoreFormatError
-from kvstore.io.entries import FileId, remove_if_same
+from kvstore.io.entries import FileId, kind_noun, remove_if_same
 from kvstore.io.fileio import DEFAULT_FILEIO
 from kvstore.store import metadata
 from kvstore.store.check import ShardSpec
@@ -283,7 +283,7 @@ def _fix_foreign(
 
 def _describe_foreign(entry: Entry, root: Path) -> tuple[str, str]:
     """(kind, detail) of a foreign entry: symlink, special-file or foreign."""
-    what = file_kind(entry.mode) if entry.mode else ("directory" if entry.is_dir else "file")
+    what = kind_noun(entry.mode) if entry.mode else ("directory" if entry.is_dir else "file")
     held_dir = entry.namespace is not None and entry.group is None
     name = Path(entry.path).name
     role = ""

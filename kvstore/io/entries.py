@@ -46,23 +46,30 @@ class EntryOps(Protocol):
     def unlink_at(self, dir_fd: int | None, name: str) -> None: ...
 
 
+# What each kind of entry is called in messages and reports, tested in this order.
 _KINDS = (
-    (stat.S_ISREG, "a regular file"),
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISLNK, "a symbolic link"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISREG, "regular file"),
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISLNK, "symbolic link"),
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
 )
 
 
-def describe_kind(mode: int) -> str:
-    """What a ``st_mode`` is, in words ("a FIFO", "a symbolic link", ...)."""
+def kind_noun(mode: int) -> str:
+    """What a ``st_mode`` is, as a noun ("FIFO", "symbolic link", ...)."""
     for test, words in _KINDS:
         if test(mode):
             return words
-    return f"an entry of unknown type {stat.S_IFMT(mode):#o}"
+    return f"entry of unknown type {stat.S_IFMT(mode):#o}"
+
+
+def describe_kind(mode: int) -> str:
+    """What a ``st_mode`` is, in words with the article ("a FIFO", "an entry of ...")."""
+    noun = kind_noun(mode)
+    return ("an " if noun.startswith("entry") else "a ") + noun
 
 
 @contextlib.contextmanager
