@@ -376,8 +376,8 @@ def markdown_section(result: dict[str, Any]) -> str:
         [
             SECTION,
             "",
-            "Written by `scripts/bench_ttft.py --markdown` (`scripts/bench.py --markdown` rewrites "
-            f"this page without it: run this after it); measured {result['when']} on "
+            "Written by `scripts/bench_ttft.py --markdown` (`scripts/bench.py --markdown` keeps "
+            f"this section when it rewrites the page); measured {result['when']} on "
             f"{result['machine']}, vLLM {result['vllm']} (CPU build), torch {result['torch']}, "
             f"5-minute load average {result['load_average']:.1f} at the end (a shared host):",
             "",

@@ -205,7 +205,10 @@ def _write_outputs(args: argparse.Namespace, report: dict[str, Any]) -> None:
             if name in PLOTS:
                 plots += PLOTS[name](result, plot_dir)
     if args.markdown:
-        args.markdown.write_text(markdown_report(report, plots, args.markdown.parent))
+        previous = args.markdown.read_text() if args.markdown.is_file() else ""
+        args.markdown.write_text(
+            markdown_report(report, plots, args.markdown.parent, previous=previous)
+        )
 
 
 # -- suite runners ---------------------------------------------------------------------------

@@ -126,8 +126,16 @@ PLOT_FILES = {
 }
 
 
-def markdown_report(report: dict[str, Any], plots: Sequence[Path], page_dir: Path) -> str:
-    """The figures as a markdown page (docs/performance.md), with the command that made them."""
+# Sections of the page written by other scripts (not by this run): kept as they are when the
+# page is rewritten, so that regenerating the page never drops their figures.
+CARRIED_SECTIONS = ("## Time to first token with a real engine",)  # scripts/bench_ttft.py
+
+
+def markdown_report(
+    report: dict[str, Any], plots: Sequence[Path], page_dir: Path, previous: str = ""
+) -> str:
+    """The figures as a markdown page (docs/performance.md), with the command that made them;
+    the :data:`CARRIED_SECTIONS` of the ``previous`` page are kept."""
     m = report["machine"]
     suites = report["suites"]
     lines = [
@@ -169,8 +177,27 @@ def markdown_report(report: dict[str, Any], plots: Sequence[Path], page_dir: Pat
             if png in names:
                 lines += ["", f"![{png}]({png})"]
     lines += _scaleout_section(page_dir)
+    lines += carried_sections(previous)
     lines += ["", *_notes(report)]
     return "\n".join(lines) + "\n"
+
+
+def carried_sections(previous: str) -> list[str]:
+    """The :data:`CARRIED_SECTIONS` of a previous page, each up to the next ``## `` heading."""
+    lines = previous.splitlines()
+    out: list[str] = []
+    for heading in CARRIED_SECTIONS:
+        start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
+        if start is None:
+            continue
+        end = next(
+            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
+        )
+        body = lines[start:end]
+        while body and not body[-1].strip():
+            body.pop()
+        out += ["", *body]
+    return out
 
 
 def _scaleout_section(page_dir: Path) -> list[str]:

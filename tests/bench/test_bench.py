@@ -64,6 +64,14 @@ def test_every_suite_runs_and_renders(tmp_path: Path, capsys: pytest.CaptureFixt
     assert bench.main(["--render", str(saved), "--markdown", str(page)]) == 0
     assert "## Lookup" in page.read_text()
     assert not (tmp_path / "scratch" / "lookup-store").exists()  # scratch cleaned up
+    # Sections other scripts wrote into the page (bench_ttft.py) survive a rewrite; the
+    # rest of the old page does not.
+    ttft = "## Time to first token with a real engine\n\n**Recomputed / loaded: 9.9x**\n"
+    page.write_text("# old page\n\nstale figures\n\n" + ttft + "\n## Notes\n\nold notes\n")
+    assert bench.main(["--render", str(saved), "--markdown", str(page)]) == 0
+    text = page.read_text()
+    assert ttft.strip() in text and "## Lookup" in text
+    assert "stale figures" not in text and "old notes" not in text
 
 
 def test_unknown_suite_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
