@@ -24,10 +24,10 @@ from types import TracebackType
 from typing import Any
 
 from kvstore.config import StoreConfig
-from kvstore.errors import IdentityMismatchError, StoreFormatError
+from kvstore.errors import EntryKindError, IdentityMismatchError, StoreFormatError
 from kvstore.identity import Identity
 from kvstore.io.engine import Engine
-from kvstore.io.entries import describe_kind
+from kvstore.io.entries import open_dir_nofollow
 from kvstore.io.fileio import DEFAULT_FILEIO, FileIO, sync_parents
 from kvstore.io.host import PROBE_PREFIX
 from kvstore.io.select import Probes, select_engine
@@ -266,32 +266,24 @@ class Namespace:
 
 
 def _refuse_symlinks(root: Path, directory: Path) -> None:
-    """:class:`StoreFormatError` if ``directory`` or a directory between ``root`` and it is a
-    symbolic link. kvstore never follows links below its root: O_NOFOLLOW covers the file
-    names it opens, this the directories (a link planted there would send blocks, with their
-    prompts, elsewhere). Checked when a namespace is opened; ``kvstore verify`` reports links
-    too. The root itself may be a link."""
-    current = root
-    for part in directory.relative_to(root).parts:
-        current = current / part
-        try:
-            mode = os.lstat(current).st_mode
-        except FileNotFoundError:
-            return
-        except OSError as exc:  # e.g. EACCES on an unreadable parent
-            raise StoreFormatError(f"{current}: cannot check the store directory ({exc})") from exc
-        if stat.S_ISLNK(mode):
-            raise StoreFormatError(
-                f"{current}: a symbolic link inside the store; kvstore follows no links below "
-                "its root (move or link the whole root instead)"
-            )
-        if not stat.S_ISDIR(mode):
-            # A FIFO or file where the array's chunk directories belong: the group cannot
-            # hold blocks; refuse it by name instead of failing later with an OSError.
-            raise StoreFormatError(
-                f"{current}: expected a directory of the store, got {describe_kind(mode)} "
-                "(run `kvstore verify --fix` or remove it)"
-            )
+    """:class:`StoreFormatError` if ``directory`` or a directory between ``root`` and it is not
+    a real directory (a symbolic link, a FIFO, a file...). kvstore never follows links below
+    its root: O_NOFOLLOW covers the file names it opens, this the directories (a link planted
+    there would send blocks, with their prompts, elsewhere). Checked when a namespace is
+    opened, by entering the chain as :func:`~kvstore.io.entries.open_dir_nofollow` does for
+    every directory the store moves files into; ``kvstore verify`` reports links too. The root
+    itself may be a link; a missing directory is not an error (it is created later)."""
+    try:
+        os.close(open_dir_nofollow(root, directory.relative_to(root).parts))
+    except FileNotFoundError:
+        return
+    except EntryKindError as exc:
+        raise StoreFormatError(
+            f"{exc} (kvstore follows no links below its root: move or link the whole root "
+            "instead; run `kvstore verify --fix` or remove it)"
+        ) from None
+    except OSError as exc:  # e.g. EACCES on an unreadable directory
+        raise StoreFormatError(f"{directory}: cannot check the store directory ({exc})") from exc
 
 
 def _is_regular(path: Path) -> bool:
