@@ -8,6 +8,7 @@ one; the work is done by the module of each command. Exit codes follow the CLI: 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kvstore.admin import du, gc, ls, rm, verify
 from kvstore.admin.sizes import parse_duration, parse_size
@@ -97,6 +98,13 @@ def add_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         help="time between --watch passes (default: 10s)",
     )
     g.add_argument("--max-passes", type=positive_int, help="stop --watch after this many passes")
+    g.add_argument(
+        "--metrics",
+        type=_file_path,
+        metavar="FILE",
+        help="after every pass write Prometheus metrics to FILE, atomically (node-exporter "
+        "textfile collector: name it *.prom); see docs/operating.md",
+    )
     g.add_argument("--json", action="store_true", help=JSON_HELP)
     r = sub.add_parser(
         "rm",
@@ -131,6 +139,13 @@ def _duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _file_path(text: str) -> Path:
+    """argparse type: a file path, not empty (an unset shell variable must not mean '.')."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path, got '' (an empty path)")
+    return Path(text)
 
 
 def _fraction(text: str) -> float:
@@ -172,6 +187,7 @@ def dispatch(args: argparse.Namespace) -> int:
             as_json=args.json,
             watch_interval_s=args.interval if args.watch else None,
             max_passes=args.max_passes,
+            metrics_path=args.metrics,
         )
     if args.command == "rm":
         return rm.run(

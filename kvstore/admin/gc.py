@@ -43,6 +43,12 @@ every ``--interval`` seconds until SIGINT/SIGTERM (or ``--max-passes``). It keep
 index (path → size, mtime, inode, hash, parent) and reads the header only of files it has not
 seen before, so a pass costs a directory scan (one ``stat`` per file). Because it scans the
 file system it counts the blocks of every server writing to the store, on any machine.
+
+**--metrics FILE** writes, after every pass, the Prometheus textfile of
+:mod:`kvstore.admin.gc_metrics` (usage, evictions, trash, quarantine, findings, pass duration;
+counters monotonic over the process) atomically through :mod:`kvstore.admin.textfile`. A path
+that cannot be written is an error before the first pass; a later write failure is warned
+about and counted, and the passes go on.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from typing import Any
 
 from kvstore.admin.du import gc_usage
 from kvstore.admin.eviction import Block, BlockIndex, Evicted, EvictFn, evict
+from kvstore.admin.gc_metrics import GcMetrics
 from kvstore.admin.progress import Progress
 from kvstore.admin.report import print_json, print_lines, table, warn
 from kvstore.admin.scan import (
@@ -70,6 +77,7 @@ from kvstore.admin.scan import (
     scan_store,
 )
 from kvstore.admin.sizes import format_duration, format_size, iso_time
+from kvstore.admin.textfile import Textfile, exposition
 from kvstore.admin.trash import (
     DEFAULT_GRACE_S,
     HeldDirectoryError,
@@ -178,6 +186,34 @@ def _findings(scan: StoreScan, store: StoreView) -> list[dict[str, str]]:
     return out
 
 
+def _by_namespace(scan: StoreScan) -> dict[str, dict[str, int]]:
+    """Blocks and quarantine of each namespace, as scanned (every namespace, even empty)."""
+    rows = {
+        ns.name: {"blocks": 0, "block_bytes": 0, "quarantine_entries": 0, "quarantine_bytes": 0}
+        for ns in scan.store.namespaces
+    }
+    zero = dict.fromkeys(("blocks", "block_bytes", "quarantine_entries", "quarantine_bytes"), 0)
+    for b in scan.blocks:
+        row = rows.setdefault(b.namespace or "", dict(zero))
+        row["blocks"] += 1
+        row["block_bytes"] += b.size
+    for q in scan.quarantine:
+        row = rows.setdefault(q.namespace or "", dict(zero))
+        row["quarantine_entries"] += 1
+        row["quarantine_bytes"] += q.size
+    return rows
+
+
+def _filesystem(root: Path) -> dict[str, int] | None:
+    """Size and space available to unprivileged users of the file system holding ``root``
+    (``statvfs``); None where it cannot be asked."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return None
+    return {"size_bytes": st.f_blocks * st.f_frsize, "avail_bytes": st.f_bavail * st.f_frsize}
+
+
 def _pretend(block: Block) -> Evicted | int:
     return Evicted.REMOVED
 
@@ -255,7 +291,11 @@ def gc_pass(
             "trash_bytes": trash_bytes,
             "unusable_bytes": sum(u.size for u in scan.unusable),
             "usage": usage_before,
+            "quarantine_entries": len(scan.quarantine),
+            "trash_entries": len(scan.trash) + len(scan.removed),
         },
+        "by_namespace": _by_namespace(scan),
+        "filesystem": _filesystem(store.root),
         "usage_complete": scan.complete,
         "future_mtimes_reset": unpinned,
         "findings": findings,
@@ -371,9 +411,11 @@ def watch(  # noqa: PLR0913 - root, policy and the watch loop's keyword-only con
     interval_s: float,
     max_passes: int | None,
     on_pass: Callable[[dict[str, Any], int], None],
+    on_error: Callable[[Exception], None] | None = None,
     stop: threading.Event | None = None,
 ) -> int:
-    """Run passes until a signal (or ``stop``), or ``max_passes``; exit code 0."""
+    """Run passes until a signal (or ``stop``), or ``max_passes``; exit code 0. A failing
+    first pass raises; a later one is warned about, given to ``on_error`` and retried."""
     stop = stop or threading.Event()
     index = BlockIndex()
     passes = 0
@@ -385,6 +427,8 @@ def watch(  # noqa: PLR0913 - root, policy and the watch loop's keyword-only con
                 if passes == 0:
                     raise
                 warn(f"gc pass failed, retrying next interval: {exc}")
+                if on_error is not None:
+                    on_error(exc)
             else:
                 passes += 1
                 on_pass(doc, passes)
@@ -394,18 +438,27 @@ def watch(  # noqa: PLR0913 - root, policy and the watch loop's keyword-only con
     return 0
 
 
-def run(
+def run(  # noqa: PLR0913 - root, policy and the output options of the command line, keyword-only
     root: Path,
     policy: Policy,
     *,
     as_json: bool,
     watch_interval_s: float | None = None,
     max_passes: int | None = None,
+    metrics_path: Path | None = None,
 ) -> int:
     """``kvstore gc``: exit 0 within budget, 1 over budget (nothing left to evict) or findings
-    (something could not be read or had to be worked around; the findings say what)."""
+    (something could not be read or had to be worked around; the findings say what).
+
+    ``metrics_path``: after every pass (and every failed --watch pass) write the Prometheus
+    textfile of :mod:`kvstore.admin.gc_metrics` there; a path that cannot be written is an
+    error (exit 2) before the first pass."""
     if policy.max_bytes is None and policy.max_age_s is None:
         raise ValueError("gc: expected --max-bytes or --max-age (or both), got neither")
+    textfile = Textfile(metrics_path) if metrics_path is not None else None
+    if textfile is not None:
+        textfile.check()
+    metrics = GcMetrics(interval_s=watch_interval_s)
     if watch_interval_s is None:
         doc = gc_pass(root, policy, progress=True)
         if as_json:
@@ -414,12 +467,40 @@ def run(
             print_lines(render(doc))
         for f in doc["findings"]:
             warn(f"{f['kind']}: {f['path']}: {f['detail']}")
+        if textfile is not None:
+            metrics.record_pass(doc)
+            try:
+                textfile.write(exposition(metrics.families()))
+            except OSError as exc:
+                raise KvstoreError(f"cannot write --metrics {str(metrics_path)!r}: {exc}") from None
         return 1 if doc["over_budget"] or doc["findings"] else 0
+
+    def publish() -> None:
+        if textfile is None:
+            return
+        try:
+            textfile.write(exposition(metrics.families()))
+        except OSError as exc:
+            metrics.record_write_error()  # shown by the next write that succeeds
+            warn(f"cannot write --metrics {str(metrics_path)!r}: {exc}")
 
     def on_pass(doc: dict[str, Any], number: int) -> None:
         if as_json:
             print_json(doc, lines=True)
         else:
             print(render_pass_line(doc, number), flush=True)
+        metrics.record_pass(doc)
+        publish()
 
-    return watch(root, policy, interval_s=watch_interval_s, max_passes=max_passes, on_pass=on_pass)
+    def on_error(exc: Exception) -> None:
+        metrics.record_pass_error()
+        publish()
+
+    return watch(
+        root,
+        policy,
+        interval_s=watch_interval_s,
+        max_passes=max_passes,
+        on_pass=on_pass,
+        on_error=on_error,
+    )
