@@ -1,0 +1,305 @@
+"""``KVStoreTier``: kvstore as a secondary tier behind vLLM's CPU tier (``TieringOffloadingSpec``).
+
+vLLM (0.33) stores a block GPU -> CPU tier -> every secondary tier (a "cascade", once the CPU
+copy is complete) and loads it secondary tier -> CPU tier -> GPU (a "promotion", after a tier
+lookup answered HIT). This tier keeps those blocks in a kvstore namespace, in the format and
+namespace the direct connector uses, so one store serves both integrations, the admin CLI and
+``kvstore-inspect``, at any parallel layout (:mod:`connector.tier.chunks` maps the CPU tier's
+rows to canonical blocks).
+
+Every method runs on vLLM's scheduler thread under the tiering manager's lock and returns at
+once (tiering/base.py):
+
+* ``lookup``: HIT for a key this process stored or loaded (an LRU of ``index_capacity`` keys),
+  otherwise vLLM's async lookup (:class:`connector.tier.lookup.StoreProbe`): RETRY while the
+  batched existence probe runs, then its verdict;
+* ``submit_store`` / ``submit_load``: queue the job on the store / load threads
+  (:class:`connector.tier.jobs.JobRunner`); a store gathers the chunks' canonical blocks and
+  publishes them (:meth:`kvstore.GroupStore.write_blocks`: checksums, atomic rename, fsync per
+  ``durability``); a load reads and verifies them (:meth:`kvstore.GroupStore.read_blocks`) and
+  scatters the hits into the chunk rows;
+* ``get_finished_jobs``: the outcomes. A block that is missing, corrupt (quarantined by the
+  store), or unreadable fails its promotion, and only that key becomes a miss
+  (``successful_keys`` keeps the others); a failed write fails its store job. Nothing raises
+  into vLLM: vLLM recomputes, and its backpressure detector (``on_store_failed``, store
+  latency) drops stores while the store is slow or full (see ``default_backpressure`` in
+  :mod:`connector.tier.config`).
+
+The engine facts the namespace identity needs (hash algorithm, KV heads, group kinds) come from
+:class:`connector.vllm_connector.KVStoreConnector`, as for the direct connector: load the
+tiering spec through it (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Sequence
+from itertools import islice
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.backpressure import (
+    BackpressureDetector,
+    EMABackpressureDetector,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from connector.config import ConnectorConfig
+from connector.facts import current
+from connector.identity import derive_identity
+from connector.spec import open_store
+from connector.tier.chunks import ChunkGeometry, build_chunk_map, rows_of
+from connector.tier.config import TierConfig
+from connector.tier.jobs import JobRunner, Outcome
+from connector.tier.lookup import StoreProbe, split_key
+from kvstore import BlockRead, BlockWrite, ConfigError, WriteStatus
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+
+log = logging.getLogger("kvstore.connector")
+
+# Seconds between two log lines about failed block writes (a full disk fails every job).
+_WRITE_FAILURE_LOG_S = 30.0
+
+
+class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
+    """A kvstore namespace as one of vLLM's secondary offloading tiers."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **options: Any,
+    ) -> None:
+        self.options = TierConfig.from_options(options)
+        facts = current()
+        if facts is None:
+            raise ConfigError(
+                "KVStoreTier must be loaded by connector.KVStoreConnector (it reads the engine "
+                'facts the namespace identity needs): set "kv_connector": "KVStoreConnector" '
+                'and "kv_connector_module_path": "connector" in --kv-transfer-config, with '
+                '"spec_name": "TieringOffloadingSpec" in kv_connector_extra_config'
+            )
+        if backpressure_detector is None and self.options.default_backpressure:
+            locality = self.options.locality or None
+            backpressure_detector = EMABackpressureDetector(
+                **EMABackpressureDetector.default_config("fs", locality=locality)
+            )
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(self.options.locality.upper()) if self.options.locality else None
+        config = offloading_spec.config
+        naming = ConnectorConfig(
+            store=self.options.store,
+            model_name=self.options.model_name,
+            model_revision=self.options.model_revision,
+        )
+        self.identity, self.key_map = derive_identity(config, facts, naming)
+        geometry = ChunkGeometry(
+            row_bytes=self.block_size_bytes,
+            cell_bytes=int(getattr(offloading_spec, "cpu_page_size_per_worker", 0)),
+            world_size=int(config.parallel.world_size),
+            canonical_layout=bool(config.canonical_layout),
+            replicated_layout=bool(getattr(offloading_spec, "replicated_layout", False)),
+            blocks_per_chunk=int(offloading_spec.blocks_per_chunk),
+        )
+        self.chunks = build_chunk_map(rows_of(primary_kv_view), self.identity, facts, geometry)
+        self.store = open_store(self.options.store)
+        try:
+            self.namespace = self.store.namespace(self.identity)
+        except BaseException:
+            self.store.close()
+            raise
+        self.tokens_per_block = self.identity.tokens_per_block
+        self._present: OrderedDict[bytes, None] = OrderedDict()
+        self._jobs_keys: dict[int, tuple[list[bytes], bool]] = {}  # job id -> (keys, is_load)
+        self._last_write_failure_log = -_WRITE_FAILURE_LOG_S
+        self._probe = StoreProbe(self.namespace, self.key_map, tier_type)
+        self._runner = JobRunner(self.options.load_threads, self.options.store_threads)
+        log.info(
+            "kvstore tier: namespace %s in %s (durability=%s, %d KV groups)",
+            self.namespace.name,
+            self.store.root,
+            self.options.store.durability,
+            len(self.namespace.groups),
+        )
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        k = bytes(key)
+        if split_key(self.key_map, k) is None:
+            return LookupResult.MISS
+        if k in self._present:
+            self._present.move_to_end(k)
+            return LookupResult.HIT
+        found = self._probe.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._probe.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: object) -> None:
+        self._probe.flush()
+
+    # -- jobs ----------------------------------------------------------------------------------
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = [bytes(k) for k in job_metadata.keys]
+        chunk_ids = [int(c) for c in job_metadata.chunk_ids]
+        parents = self._parents(keys, job_metadata.req_context)
+        self._jobs_keys[job_metadata.job_id] = (keys, False)
+        work = functools.partial(self._store_blocks, keys, chunk_ids, parents)
+        self._runner.submit(job_metadata.job_id, False, work)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = [bytes(k) for k in job_metadata.keys]
+        chunk_ids = [int(c) for c in job_metadata.chunk_ids]
+        self._jobs_keys[job_metadata.job_id] = (keys, True)
+        work = functools.partial(self._load_blocks, keys, chunk_ids)
+        self._runner.submit(job_metadata.job_id, True, work)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        for finished in self._runner.finished():
+            keys, is_load = self._jobs_keys.pop(finished.job_id)
+            outcome = finished.outcome or Outcome(frozenset(), 0)
+            ok = outcome.ok_keys
+            failed = [k for k in keys if k not in ok]
+            for k in keys:
+                if k in ok:
+                    self._remember(k)
+                else:
+                    self._present.pop(k, None)
+            partial = None
+            if is_load and failed:
+                self._probe.mark_miss([OffloadKey(k) for k in failed])
+                kept = [OffloadKey(k) for k in keys if k in ok]
+                partial = tuple(kept) if kept else None
+            results.append(
+                JobResult(
+                    job_id=finished.job_id,
+                    success=not failed,
+                    successful_keys=partial,
+                    transfer_time=finished.seconds,
+                    transfer_bytes=outcome.nbytes or None,
+                )
+            )
+        return results
+
+    def drain_jobs(self) -> None:
+        self._runner.wait_idle()
+
+    def shutdown(self) -> None:
+        self._probe.shutdown()
+        self._runner.shutdown()
+        self.chunks.release()
+        self.store.close()
+
+    # -- the job functions (job threads) -------------------------------------------------------
+
+    def _store_blocks(
+        self, keys: Sequence[bytes], chunk_ids: Sequence[int], parents: Sequence[bytes | None]
+    ) -> Outcome:
+        """Publish the canonical blocks of the chunks; the keys written or already present."""
+        ok: set[bytes] = set()
+        nbytes = 0
+        errors: list[str] = []
+        for array, items in _by_array(self.key_map, keys).items():
+            todo = [(i, h) for i, h in items if keys[i] not in self._present]
+            ok.update(keys[i] for i, h in items if keys[i] in self._present)
+            if not todo:
+                continue
+            blocks = self.chunks.to_blocks(array, [chunk_ids[i] for i, _ in todo])
+            writes = [BlockWrite(h, blocks[j].numpy(), parents[i]) for j, (i, h) in enumerate(todo)]
+            results = self.namespace.group(array).write_blocks(writes)
+            for (i, _), result in zip(todo, results, strict=True):
+                if result.status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
+                    ok.add(keys[i])
+                    nbytes += blocks.shape[1]
+                else:
+                    errors.append(result.error)
+        if errors:
+            self._log_write_failures(len(errors), errors[0])
+        return Outcome(frozenset(ok), nbytes)
+
+    def _load_blocks(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> Outcome:
+        """Read and verify the blocks into their chunk rows; the keys that arrived."""
+        ok: set[bytes] = set()
+        nbytes = 0
+        for array, items in _by_array(self.key_map, keys).items():
+            block_bytes = self.chunks.groups[array].block_bytes
+            blocks = torch.empty((len(items), block_bytes), dtype=torch.uint8)
+            reads = [BlockRead(h, blocks[j].numpy()) for j, (_, h) in enumerate(items)]
+            results = self.namespace.group(array).read_blocks(reads)
+            hits = [j for j, r in enumerate(results) if r.ok]
+            if not hits:
+                continue
+            rows = [chunk_ids[items[j][0]] for j in hits]
+            self.chunks.from_blocks(array, blocks[hits] if len(hits) < len(items) else blocks, rows)
+            ok.update(keys[items[j][0]] for j in hits)
+            nbytes += len(hits) * block_bytes
+        return Outcome(frozenset(ok), nbytes)
+
+    def _log_write_failures(self, count: int, first: str) -> None:
+        now = time.monotonic()
+        if now - self._last_write_failure_log >= _WRITE_FAILURE_LOG_S:
+            self._last_write_failure_log = now
+            log.warning(
+                "kvstore tier: %d block writes failed (%s); vLLM recomputes those blocks and "
+                "its backpressure drops stores while writes keep failing",
+                count,
+                first,
+            )
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _remember(self, key: bytes) -> None:
+        self._present[key] = None
+        self._present.move_to_end(key)
+        while len(self._present) > self.options.index_capacity:
+            self._present.popitem(last=False)
+
+    def _parents(self, keys: Sequence[bytes], req_context: ReqContext) -> list[bytes | None]:
+        """Block hash of the key ending one block earlier in the request (header field)."""
+        positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
+        by_end = {(bytes(k[-4:]), pos): bytes(k) for k, pos in islice(positions.items(), None)}
+        out: list[bytes | None] = []
+        for k in keys:
+            end = req_context.get_offload_key_position(OffloadKey(k))
+            parent = None
+            if end is not None and end > self.tokens_per_block:
+                parent = by_end.get((k[-4:], end - self.tokens_per_block))
+            where = None if parent is None else split_key(self.key_map, parent)
+            out.append(None if where is None else where[1])
+        return out
+
+
+def _by_array(key_map: Any, keys: Sequence[bytes]) -> dict[int, list[tuple[int, bytes]]]:
+    """Keys grouped by array: ``array -> [(position in keys, block hash)]``."""
+    out: dict[int, list[tuple[int, bytes]]] = defaultdict(list)
+    for i, key in enumerate(keys):
+        where = split_key(key_map, key)
+        if where is not None:
+            out[where[0]].append((i, where[1]))
+    return out

@@ -1,0 +1,193 @@
+"""A vLLM 0.33 engine on CPU with its CPU tier in front and kvstore as the secondary tier.
+
+:class:`TierEngine` is :class:`tests.connector.harness.Engine` (vLLM's real ``Scheduler``,
+``KVStoreConnector`` in both roles, one worker-role connector per simulated TP rank) running
+vLLM's ``TieringOffloadingSpec``: the scheduler side is vLLM's own (``TieringOffloadingManager``
+with its ``CPUPrimaryTierOffloadingManager`` over the shared ``/dev/shm`` region, and
+:class:`connector.tier.KVStoreTier` behind it), loaded from ``secondary_tiers`` by
+``module_path`` as a server would.
+
+The only stand-in is the worker: vLLM's ``CPUOffloadingWorker`` needs CUDA streams and copy
+kernels, so :class:`CPUTieringSpec` replaces ``get_worker`` with :class:`ChunkCopyWorker`, which
+carves its views of the shared region with vLLM's own ``SharedOffloadRegion`` calls
+(``create_next_worker_view`` per canonical tensor, or ``create_next_canonical_view`` with
+``canonical_layout``) and copies pages as vLLM's worker does: whole pages per layer ref in the
+direct layout, vLLM's ``CanonicalPageMapping`` runs (with its writer rotation on stores) in the
+canonical layout. What lands in the region is therefore what a GPU server's workers put there.
+
+``kv_connector_extra_config`` keys the tiering spec does not read (the harness's ``root``,
+``durability``, ``io_threads`` of the direct connector) are ignored by vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.gpu_worker import _canonical_block_sizes
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from connector.tier import KVStoreTier, tier_entry
+
+from .harness import Engine, EngineOptions
+
+CPU_BYTES = 1 << 20  # CPU tier size: 128 chunks of the tiny models' 8 KiB rows
+
+
+class ChunkCopyWorker(OffloadingWorker):  # type: ignore[misc]
+    """vLLM's CPU-tier worker copies, on CPU tensors, into vLLM's shared region."""
+
+    def __init__(self, spec: TieringOffloadingSpec, kv_caches: CanonicalKVCaches) -> None:
+        self.canonical = bool(spec.config.canonical_layout)
+        rank = 0 if spec.replicated_layout else spec.config.parallel.rank
+        self.region = SharedOffloadRegion(
+            engine_id=spec.config.engine_id,
+            num_chunks=spec.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+            cpu_page_size=spec.cpu_page_size_per_worker,
+        )
+        if self.canonical:
+            spec._validate_canonical_refs(kv_caches)  # vLLM's own startup check
+            sizes = _canonical_block_sizes(kv_caches.group_data_refs, len(kv_caches.tensors))
+            self.cpu = [self.region.create_next_canonical_view(s) for s in sizes]
+        else:
+            self.cpu = [
+                self.region.create_next_worker_view(t.page_size_bytes) for t in kv_caches.tensors
+            ]
+        self.gpu = [t.tensor.view(torch.int8) for t in kv_caches.tensors]
+        self.refs = kv_caches.group_data_refs
+        self.done: list[TransferResult] = []
+
+    def _copy(self, job_id: int, gpu: GPULoadStoreSpec, cpu: BlockIDsLoadStoreSpec, store: bool) -> bool:
+        blocks, chunks = np.asarray(gpu.block_ids), np.asarray(cpu.block_ids)
+        assert len(blocks) == len(chunks), "blocks_per_chunk must be 1"
+        start = 0
+        for group, size in enumerate(gpu.group_sizes):
+            for block, chunk in zip(blocks[start : start + size], chunks[start : start + size]):
+                for ref in self.refs[group]:
+                    self._copy_page(ref, int(block), int(chunk), store)
+            start += size
+        self.done.append(TransferResult(job_id=job_id, success=True))
+        return True
+
+    def _copy_page(self, ref: Any, block: int, chunk: int, store: bool) -> None:
+        gpu, cpu = self.gpu[ref.tensor_idx][block], self.cpu[ref.tensor_idx][chunk]
+        if not self.canonical:
+            page = ref.page_size_bytes
+            (cpu[:page] if store else gpu[:page]).copy_(gpu[:page] if store else cpu[:page])
+            return
+        mapping = ref.mapping
+        if store and chunk % mapping.num_writers != mapping.writer_index:
+            return  # vLLM's writer rotation keyed by the canonical page id (= chunk id here)
+        for run in mapping.runs:
+            for i in range(run.num_fragments):
+                local = run.local_offset + i * run.local_stride
+                canon = run.canonical_offset + i * run.canonical_stride
+                size = run.fragment_size
+                if store:
+                    cpu[canon : canon + size].copy_(gpu[local : local + size])
+                else:
+                    gpu[local : local + size].copy_(cpu[canon : canon + size])
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        return self._copy(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        return self._copy(job_id, dst_spec, src_spec, store=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self.done = self.done, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        return
+
+    def shutdown(self) -> None:
+        self.cpu.clear()
+        self.region.cleanup()
+
+
+class CPUTieringSpec(TieringOffloadingSpec):  # type: ignore[misc]
+    """vLLM's tiering spec with :class:`ChunkCopyWorker` as its worker."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = ChunkCopyWorker(self, kv_caches)
+        return self._worker
+
+
+def tier_extra(root: Path, canonical: bool = False, **tier: Any) -> dict[str, Any]:
+    """``kv_connector_extra_config`` keys of a tiering engine with kvstore at ``root``."""
+    extra: dict[str, Any] = {
+        "spec_name": "CPUTieringSpec",
+        "spec_module_path": __name__,
+        "cpu_bytes_to_use": CPU_BYTES,
+        "secondary_tiers": [tier_entry(str(root), io_threads=2, **tier)],
+    }
+    if canonical:
+        extra["canonical_layout"] = True
+    return extra
+
+
+class TierEngine(Engine):
+    """An :class:`Engine` running vLLM's CPU tier with :class:`KVStoreTier` behind it."""
+
+    def __init__(self, options: EngineOptions, canonical: bool = False, **tier: Any) -> None:
+        extra = {**tier_extra(options.root, canonical, **tier), **options.extra}
+        super().__init__(dataclasses.replace(options, extra=extra))
+
+    @property
+    def tiering(self) -> TieringOffloadingManager:
+        connector = self.scheduler.connector
+        assert isinstance(connector, OffloadingConnector)
+        manager = connector.connector_scheduler.manager
+        assert isinstance(manager, TieringOffloadingManager)
+        return manager
+
+    @property
+    def tier(self) -> KVStoreTier:
+        (tier,) = self.tiering.secondary_tiers
+        assert isinstance(tier, KVStoreTier)
+        return tier
+
+    def busy(self) -> bool:
+        return bool(self.scheduler.has_unfinished_requests() or self.tiering.has_pending_work())
+
+    def run(self, max_steps: int = 400) -> None:
+        """Step until every request finished and every tier job was reported."""
+        idle = 0
+        for _ in range(max_steps):
+            self.step()
+            if self.busy():
+                idle = 0
+                time.sleep(0.002)
+                continue
+            idle += 1
+            if idle >= 3:  # deferred stores are submitted one step late
+                return
+        raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def flush_tier(self) -> None:
+        """Wait for the tier's jobs and let vLLM collect them (one step)."""
+        self.tier.drain_jobs()
+        self.run()
