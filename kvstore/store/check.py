@@ -33,12 +33,19 @@ import enum
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvstore.checksum import Checksum, checksum_function, checksum_tensor_rows
+from kvstore.checksum import (
+    Checksum,
+    checksum_function,
+    checksum_tensor_rows,
+    chunk_sums,
+    crc32c,
+)
 from kvstore.errors import CorruptBlockError, EntryKindError, StoreFormatError
 from kvstore.io.entries import FileId, describe_os_error, file_id
 from kvstore.io.fileio import DEFAULT_FILEIO, read_fully
@@ -65,6 +72,18 @@ class ShardSpec:
     namespace_digest: bytes  # SHA-256 of the namespace identity
     group: int  # array index k of g<k>
     codec: Codec | None = None  # the array's compression; None: raw chunks
+
+    @cached_property
+    def raw_template(self) -> tuple[bytes, bytes]:
+        """The header bytes every raw block of this array has: [0, hash lengths) (magic,
+        version, flags, header size, namespace, group) and the geometry [tokens, created)."""
+        fixed = fmt.encode_fixed_header(
+            self.layout, self.namespace_digest, self.group, b"\x01", None, 0, 0
+        )
+        return (
+            fixed[: fmt.HASH_LEN_OFFSET],
+            fixed[fmt.GEOMETRY_OFFSET : fmt.CREATED_OFFSET],
+        )
 
     @property
     def size_bounds(self) -> tuple[int, int]:
@@ -100,6 +119,34 @@ def check_header(
     return header
 
 
+def header_algo(buf: bytes | bytearray | memoryview, spec: ShardSpec, block_hash: bytes) -> int:
+    """:func:`check_header` for the hot path of raw arrays: the checksum algorithm id of a
+    header read for key ``block_hash``, with every check :func:`check_header` makes.
+
+    The fields a reader knows in advance (magic, version, flags, header size, namespace, group,
+    the key, the geometry) are compared as bytes against the array's template, the lengths as
+    integers, and the crc32c over the fixed part is checked, without decoding the header into
+    an object. Anything that does not match goes through :func:`check_header`, so a damaged
+    header raises the same :class:`CorruptBlockError`, with the same words, as it always did.
+    """
+    n = len(block_hash)
+    if spec.codec is None and len(buf) >= fmt.HEADER_FIXED_NBYTES:
+        prefix, geometry = spec.raw_template
+        view = memoryview(buf)
+        if (
+            view[: fmt.HASH_LEN_OFFSET] == prefix
+            and view[fmt.GEOMETRY_OFFSET : fmt.CREATED_OFFSET] == geometry
+            and view[fmt.HASH_OFFSET : fmt.HASH_OFFSET + n] == block_hash
+            and buf[fmt.HASH_LEN_OFFSET] == n
+            and 0 < n <= fmt.MAX_HASH
+            and buf[fmt.HASH_LEN_OFFSET + 1] <= fmt.MAX_HASH
+            and crc32c(view[: fmt.CRC_OFFSET])
+            == int.from_bytes(view[fmt.CRC_OFFSET : fmt.CRC_OFFSET + 4], "little")
+        ):
+            return int(buf[fmt.ALGO_OFFSET])
+    return check_header(buf, spec, block_hash).checksum_algo
+
+
 def chunk_checksum(algo: int) -> Checksum:
     """The checksum function a header names; an unknown id is a corrupt block."""
     try:
@@ -118,23 +165,24 @@ def verify_chunks(
     """Check inner chunks ``chunks``, read back to back into ``data``, against the header's
     checksum slots; :class:`CorruptBlockError` names the first that differs.
 
-    Host memory: one checksum call per chunk. A tensor: one batched call on its device
+    Host memory: one checksum call per chunk, driven from C (:func:`~kvstore.checksum.chunk_sums`).
+    A tensor: one batched call on its device
     (:func:`~kvstore.checksum.checksum_tensor_rows`; the caller decides whether that is
     acceptable for ``algo``).
     """
-    fn = chunk_checksum(algo)
+    chunk_checksum(algo)  # an unknown algorithm id is a corrupt block
     slots = fmt.decode_checksums(header, layout.num_chunks)
     size = layout.chunk_nbytes
     if isinstance(data, torch.Tensor):
         rows = data[: len(chunks) * size].view(len(chunks), size)
         sums = np.asarray(checksum_tensor_rows(algo, rows), dtype=np.uint64)
     else:
-        sums = np.fromiter(
-            (fn(data[i : i + size]) for i in range(0, len(chunks) * size, size)),
-            dtype=np.uint64,
-            count=len(chunks),
-        )
-    bad = np.flatnonzero(sums != slots[np.asarray(chunks, dtype=np.intp)])
+        sums = chunk_sums(algo, data, size, len(chunks))
+    if isinstance(chunks, range) and chunks.step == 1:  # a whole block or a run: a view
+        wanted = slots[chunks.start : chunks.stop]
+    else:
+        wanted = slots[np.asarray(chunks, dtype=np.intp)]
+    bad = np.flatnonzero(sums != wanted)
     if len(bad):
         raise CorruptBlockError(f"checksum mismatch in inner chunk {chunks[int(bad[0])]}")
 

@@ -68,6 +68,13 @@ _CRC = struct.Struct("<II")
 assert _FIXED.size == 168
 assert _FIXED.size + _CRC.size == HEADER_FIXED_NBYTES
 MAX_HASH = 32
+# Offsets of fixed-header fields the hot-path check compares as bytes (see the table above).
+HASH_LEN_OFFSET = 52  # block hash length, then parent hash length
+ALGO_OFFSET = 54
+HASH_OFFSET = 56
+GEOMETRY_OFFSET = 120  # tokens .. file_nbytes
+CREATED_OFFSET = 160
+CRC_OFFSET = 168
 # Header flag: the inner chunks are compressed with the array's codec and packed back to back
 # (see kvstore/store/compression.py); chunk_stride is then 0 and file_nbytes the actual size.
 FLAG_COMPRESSED = 1
@@ -75,7 +82,11 @@ FLAG_COMPRESSED = 1
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Byte layout of one group's shard files; everything is fixed by the group geometry."""
+    """Byte layout of one group's shard files; everything is fixed by the group geometry.
+
+    Derived sizes are cached (``cached_property``): the layout is frozen, and the hot path
+    reads them several times per block.
+    """
 
     num_heads: int  # H (1 for MLA)
     num_layers: int  # L
@@ -89,47 +100,47 @@ class ShardLayout:
         heads = 1 if group.kind == "mla" else group.num_kv_heads
         return cls(heads, group.num_layers, tokens_per_block, per_token, itemsize)
 
-    @property
+    @cached_property
     def num_chunks(self) -> int:
         return self.num_heads * self.num_layers
 
-    @property
+    @cached_property
     def chunk_nbytes(self) -> int:
         """Bytes of one inner chunk (one head of one layer)."""
         return self.tokens * self.elems_per_token * self.itemsize
 
-    @property
+    @cached_property
     def chunk_stride(self) -> int:
         """Distance between inner chunks in the file (4 KiB aligned)."""
         return align_up(self.chunk_nbytes)
 
-    @property
+    @cached_property
     def header_nbytes(self) -> int:
         return align_up(HEADER_FIXED_NBYTES + 8 * self.num_chunks)
 
-    @property
+    @cached_property
     def data_offset(self) -> int:
         return self.header_nbytes
 
-    @property
+    @cached_property
     def data_end(self) -> int:
         return self.data_offset + self.num_chunks * self.chunk_stride
 
-    @property
+    @cached_property
     def index_nbytes(self) -> int:
         return 16 * self.num_chunks + 4
 
-    @property
+    @cached_property
     def file_nbytes(self) -> int:
         """Exact size of a complete shard file."""
         return self.data_end + self.index_nbytes
 
-    @property
+    @cached_property
     def block_nbytes(self) -> int:
         """Bytes of the canonical block (all inner chunks back to back, no padding)."""
         return self.num_chunks * self.chunk_nbytes
 
-    @property
+    @cached_property
     def dense(self) -> bool:
         """True when chunks are back to back in the file (chunk size is a 4 KiB multiple)."""
         return self.chunk_nbytes == self.chunk_stride

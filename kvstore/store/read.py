@@ -122,13 +122,12 @@ class Reader:
             if device_out is not None:
                 device_out[:need].copy_(torch.frombuffer(out, dtype=torch.uint8)[:need])
             return need
-        header: bytearray | memoryview
-        if self._direct_reads:  # an aligned header buffer, so the whole read may be O_DIRECT
-            header = self._header_staging.get(layout.header_nbytes)[: layout.header_nbytes].data
-        else:
-            header = bytearray(layout.header_nbytes)
-        segments: list[AnySegment] = [(0, memoryview(header)), *chunk_segments(layout, chunks, out)]
-        segments.sort(key=lambda s: s[0])
+        # A per-thread aligned header buffer (reused: no allocation per block; aligned, so the
+        # whole read may be O_DIRECT). Every byte of it is read from the file or the read fails.
+        header = self._header_staging.get(layout.header_nbytes)[: layout.header_nbytes].data
+        segments: list[AnySegment] = [(0, header), *chunk_segments(layout, chunks, out)]
+        if not whole:  # chunks in the caller's order; whole blocks are in file order already
+            segments.sort(key=_offset)
         host = host_segments(segments)
         read_id: FileId
         if host is None:
@@ -142,11 +141,11 @@ class Reader:
                 path, host, layout.file_nbytes, touch_before, direct=direct
             )
         try:
-            decoded = check.check_header(header, array.shard, block_hash)
+            algo = check.header_algo(header, array.shard, block_hash)
             if array.verify_reads:
-                if isinstance(out, torch.Tensor) and decoded.checksum_algo not in DEVICE_ALGOS:
-                    self._log_host_verify(decoded.checksum_algo)
-                check.verify_chunks(layout, decoded.checksum_algo, header, chunks, out)
+                if isinstance(out, torch.Tensor) and algo not in DEVICE_ALGOS:
+                    self._log_host_verify(algo)
+                check.verify_chunks(layout, algo, header, chunks, out)
         except CorruptBlockError as exc:
             exc.file_id = read_id  # quarantine this file, not whatever has the name later
             raise
@@ -253,6 +252,10 @@ class Reader:
         array.engine.read_file(path, [(0, memoryview(header))], layout.file_nbytes)
         decoded = check.check_header(header, array.shard, block_hash)
         return decoded, fmt.decode_checksums(header, layout.num_chunks).copy()
+
+
+def _offset(segment: AnySegment) -> int:
+    return segment[0]
 
 
 def _outcome(outcome: str, target: Path | None) -> str:
