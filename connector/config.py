@@ -42,6 +42,9 @@ VLLM_KEYS = frozenset(
     }
 )
 
+# Values of kv_events_locality (vLLM's kv_offload.base.Locality, by value).
+LOCALITIES = frozenset({"LOCAL", "REMOTE"})
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -68,6 +71,17 @@ class ConnectorConfig:
     # Scheduler: after a failed store (e.g. a full disk), offer no new stores for this many
     # seconds; lookups and loads go on.
     write_backoff_s: float = 30.0
+    # Scheduler: store a block only once it was seen this many times (by this many requests,
+    # each counted once: asked for at lookup or offered for storing). 1 stores every block;
+    # 2+ keeps one-off prefixes off the disk (SSD wear). Counted as skipped "not_admitted".
+    admit_after: int = 1
+    # Scheduler: bytes of whole blocks offered to the store and not yet published (workers
+    # writing, or publish queued). New stores beyond it are dropped, never waited for, and
+    # counted as dropped "backpressure". Bounds the staging memory a slow store can hold.
+    max_pending_store_bytes: int = 1 << 30
+    # KV events: locality of the store relative to this engine, for routers: "LOCAL" (a disk
+    # of this node) or "REMOTE" (a filesystem shared by several nodes). Medium is STORAGE.
+    kv_events_locality: str = "LOCAL"
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -80,6 +94,8 @@ class ConnectorConfig:
             ("probe_threads", 1, 64),
             ("index_capacity", 1, 1 << 40),
             ("worker_threads", 1, 64),
+            ("admit_after", 1, 1 << 20),
+            ("max_pending_store_bytes", 1, 1 << 50),
         ):
             value = getattr(self, name)
             if not _is_int(value) or not low <= value <= high:
@@ -88,6 +104,13 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not _is_number(value) or not 0 <= value < math.inf:
                 raise ConfigError(f"{name}: expected a number of seconds >= 0, got {value!r}")
+        if isinstance(self.kv_events_locality, str):  # "local" is as clear as "LOCAL"
+            object.__setattr__(self, "kv_events_locality", self.kv_events_locality.upper())
+        if self.kv_events_locality not in LOCALITIES:
+            raise ConfigError(
+                f"kv_events_locality: expected one of {sorted(LOCALITIES)}, got "
+                f"{self.kv_events_locality!r}"
+            )
 
     @classmethod
     def connector_keys(cls) -> tuple[str, ...]:

@@ -23,6 +23,15 @@ return futures, which the scheduler thread applies at its next call).
   failures, and forgets keys whose load failed (quarantined or vanished files).
 * ``reset_cache`` drops the in-memory view only: the store is persistent and shared. Blocks
   pending at a reset are aborted once the workers reported their jobs (``abort_orphans``).
+
+Operating it (docs/metrics.md): ``get_stats`` reports :mod:`connector.metrics` (each block
+counted once, here, whatever the TP size: the workers' failure reports of one block are merged
+into one cause before the job completes), ``take_events`` the blocks published and found gone
+(:mod:`connector.events`), ``config_info`` (vLLM 0.33) the static settings. ``prepare_store``
+applies admission (``admit_after``, :mod:`connector.admission`) and backpressure: blocks whose
+bytes would take the blocks offered and not yet published past ``max_pending_store_bytes`` are
+dropped (with the rest of that request's batch: a block without its parent is not found by
+prefix lookups), never waited for.
 """
 
 from __future__ import annotations
@@ -30,15 +39,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     LookupResult,
+    OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
@@ -46,13 +59,31 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
+from connector import metrics as m
+from connector.admission import Admission
 from connector.config import ConnectorConfig
+from connector.events import StoreEvents
 from connector.identity import KeyMap
+from connector.metrics import StoreMetrics
 from connector.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
 from kvstore import KVStore, Namespace, PendingBlock, WriteStatus
 from kvstore.checksum import checksum_id
 
 log = logging.getLogger("kvstore.connector")
+
+
+# Load failures after which no engine can load the block: announced as removed.
+_GONE = frozenset({m.MISSING, m.CORRUPT, m.IDENTITY_MISMATCH})
+
+# What a background publish returns per key: status and error text.
+_Published = list[tuple[bytes, WriteStatus, str]]
+
+
+@dataclass
+class _Looked:
+    """Per request: keys whose lookup answer was counted."""
+
+    keys: set[bytes] = field(default_factory=set)
 
 
 @dataclass
@@ -74,6 +105,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         key_map: KeyMap,
         options: ConnectorConfig,
         commit_checksum_all: bool,
+        events_enabled: bool = False,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
@@ -95,30 +127,43 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self._probe_queue: list[bytes] = []
         self._probes: list[tuple[list[bytes], Future[list[tuple[bytes, bool]]]]] = []
         self._pending: dict[bytes, PendingBlock] = {}  # prepared stores, not yet completed
-        self._failed_stores: set[bytes] = set()
+        self._failed_stores: dict[bytes, str] = {}  # key -> cause, reported by a worker
         self._publishing: set[bytes] = set()
-        self._publishes: list[Future[list[tuple[bytes, WriteStatus]]]] = []
+        # (publish, when its oldest block was offered; None for aborts only)
+        self._publishes: list[tuple[Future[_Published], float | None]] = []
         self._pins: Counter[bytes] = Counter()
-        self._orphans: list[PendingBlock] = []  # pending at a cache reset, aborted when flushed
+        # pending at a cache reset, aborted when flushed
+        self._orphans: list[tuple[bytes, PendingBlock]] = []
         self._backoff_until = 0.0
         self.counters: Counter[str] = Counter()
+        # operating: metrics, events, admission, backpressure (docs/metrics.md)
+        self.metrics = StoreMetrics()
+        self.events = StoreEvents(enabled=events_enabled, locality=options.kv_events_locality)
+        self.admission = Admission(options.admit_after, options.index_capacity)
+        self._block_bytes = {g.index: g.layout.block_nbytes for g in namespace.groups}
+        self._pending_bytes = 0  # whole blocks offered and not yet published or aborted
+        self._offered_at: dict[bytes, float] = {}  # key -> when prepare_store took it
+        self._load_started: dict[bytes, float] = {}  # key -> when prepare_load pinned it
+        self._load_failed: dict[bytes, str] = {}  # key -> cause, reported by a worker
+        self._abort_cause: dict[bytes, str] = {}  # key -> why its pending block is aborted
 
     # -- lookup --------------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._drain()
         k = bytes(key)
+        self.admission.see(k, req_context)
         if k in self._present:
             self._present.move_to_end(k)
-            return LookupResult.HIT
+            return self._answer(k, req_context, LookupResult.HIT)
         if k in self._publishing:
             return LookupResult.HIT_PENDING
-        if k in self._pending:
-            return LookupResult.MISS  # another request is storing it; recompute meanwhile
+        if k in self._pending:  # another request is storing it; recompute meanwhile
+            return self._answer(k, req_context, LookupResult.MISS)
         expires = self._absent.get(k)
         if expires is not None:
             if expires > self._now():
-                return LookupResult.MISS
+                return self._answer(k, req_context, LookupResult.MISS)
             del self._absent[k]
         if k not in self._probing:
             self._probing.add(k)
@@ -126,6 +171,20 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             if len(self._probe_queue) >= self.options.probe_batch:
                 self._flush_probes()
         return LookupResult.RETRY
+
+    def _answer(self, key: bytes, req_context: ReqContext, result: LookupResult) -> LookupResult:
+        """Count a final lookup answer, once per request and key (vLLM asks again while an
+        earlier key of the request is being probed)."""
+        looked = req_context.get_state(_Looked)
+        if looked is None:
+            looked = _Looked()
+            req_context.set_state(looked)
+        if key not in looked.keys:
+            looked.keys.add(key)
+            label = m.HIT if result is LookupResult.HIT else m.MISS
+            self.metrics.count(m.LOOKUP_BLOCKS, 1, label)
+            self.metrics.count(m.LOOKUP_TOKENS, self.tokens_per_block, label)
+        return result
 
     def on_schedule_end(self, context: object) -> None:
         self._flush_probes()
@@ -156,14 +215,33 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         ordered = [bytes(k) for k in keys]
         self._pins.update(ordered)
         self.counters["blocks_loaded"] += len(ordered)
+        now = self._now()
+        for k in ordered:
+            self._load_started.setdefault(k, now)
         return KVStoreLoadSpec(ordered, req_context.req_id)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Every worker reported the load job (and, before it, the blocks that failed)."""
+        started: float | None = None
+        gone: list[bytes] = []
         for key in keys:
             k = bytes(key)
             self._pins[k] -= 1
             if self._pins[k] <= 0:
                 del self._pins[k]
+            t = self._load_started.pop(k, None) if k not in self._pins else None
+            started = t if started is None or (t is not None and t < started) else started
+            cause = self._load_failed.pop(k, None)
+            if cause is None:
+                self.metrics.count(m.LOADED_BLOCKS)
+                self.metrics.count(m.LOADED_BYTES, self._bytes_of(k))
+                continue
+            self.metrics.count(m.FAILED_BLOCKS, 1, m.LOAD, cause)
+            if cause in _GONE:
+                gone.append(k)
+        self.events.removed(gone)
+        if started is not None:
+            self.metrics.observe(m.LOAD_SECONDS, self._now() - started)
 
     # -- stores --------------------------------------------------------------------------------
 
@@ -171,16 +249,16 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput:
         self._drain()
+        offered = list(dict.fromkeys(bytes(k) for k in keys))
+        present = [
+            k for k in offered if k in self._present or k in self._publishing or k in self._pending
+        ]
+        self.metrics.count(m.STORE_SKIPPED_BLOCKS, len(present), m.PRESENT)
+        candidates = [k for k in offered if k not in set(present)]
         if self._now() < self._backoff_until:
+            self.metrics.count(m.STORE_DROPPED_BLOCKS, len(candidates), m.WRITE_BACKOFF_REASON)
             return _empty_store(self.namespace.name, self._checksum_algo)
-        todo: list[bytes] = []
-        seen: set[bytes] = set()
-        for key in keys:
-            k = bytes(key)
-            if k in self._present or k in self._publishing or k in self._pending or k in seen:
-                continue
-            seen.add(k)
-            todo.append(k)
+        todo = self._admit(candidates, req_context)
         if not todo:
             return _empty_store(self.namespace.name, self._checksum_algo)
         by_array: dict[int, list[bytes]] = defaultdict(list)
@@ -191,6 +269,9 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             parents = [self._parent(k, req_context) for k in group_keys]
             pendings = self.namespace.group(array).begin_blocks(hashes, parents)
             self._pending.update(zip(group_keys, pendings, strict=True))
+        now = self._now()
+        for k in todo:
+            self._offered_at[k] = now
         spec = KVStoreStoreSpec(
             self.namespace.name, self._checksum_algo, todo, [self._pending[k] for k in todo]
         )
@@ -198,6 +279,26 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in todo], store_spec=spec, evicted_keys=[]
         )
+
+    def _admit(self, candidates: Sequence[bytes], req_context: ReqContext) -> list[bytes]:
+        """The candidates admission lets through and the pending-bytes bound has room for."""
+        todo: list[bytes] = []
+        dropping = False
+        for k in candidates:
+            if not self.admission.admit(k, req_context):
+                self.metrics.count(m.STORE_SKIPPED_BLOCKS, 1, m.NOT_ADMITTED)
+                continue
+            nbytes = self._bytes_of(k)
+            # Once one block is dropped, its descendants in this batch go too.
+            dropping = dropping or (
+                self._pending_bytes + nbytes > self.options.max_pending_store_bytes
+            )
+            if dropping:
+                self.metrics.count(m.STORE_DROPPED_BLOCKS, 1, m.BACKPRESSURE)
+                continue
+            self._pending_bytes += nbytes
+            todo.append(k)
+        return todo
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
@@ -210,47 +311,63 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             pending = self._pending.pop(k, None)
             if pending is None:
                 continue
-            failed = not success or k in self._failed_stores
-            self._failed_stores.discard(k)
-            (abort if failed else commit)[pending.group].append((k, pending))
+            cause = self._failed_stores.pop(k, None)
+            if cause is None and not success:
+                cause = m.IO_ERROR  # vLLM says the job failed (no worker said why)
+            if cause is not None:
+                self._abort_cause[k] = cause
+            (abort if cause is not None else commit)[pending.group].append((k, pending))
         if not commit and not abort:
             return
         for items in commit.values():
             self._publishing.update(k for k, _ in items)
-        self._publishes.append(self._pool.submit(self._publish, dict(commit), dict(abort)))
+        times = [self._offered_at.pop(k, None) for items in commit.values() for k, _ in items]
+        for items in abort.values():
+            for k, _ in items:
+                self._offered_at.pop(k, None)
+        offered = min((t for t in times if t is not None), default=None)
+        self._publishes.append(
+            (self._pool.submit(self._publish, dict(commit), dict(abort)), offered)
+        )
 
     def _publish(
         self,
         commit: dict[int, list[tuple[bytes, PendingBlock]]],
         abort: dict[int, list[tuple[bytes, PendingBlock]]],
-    ) -> list[tuple[bytes, WriteStatus]]:
+    ) -> _Published:
         """(background) Publish blocks every worker wrote; drop the others' temporary files."""
-        out: list[tuple[bytes, WriteStatus]] = []
+        out: _Published = []
         for array, items in abort.items():
             self.namespace.group(array).abort_blocks([p for _, p in items])
-            out.extend((k, WriteStatus.FAILED) for k, _ in items)
+            out.extend((k, WriteStatus.FAILED, "") for k, _ in items)
         for array, items in commit.items():
             pendings = [p for _, p in items]
             try:
                 results = self.namespace.group(array).commit_blocks(
                     pendings, [self._commit_chunks[array]] * len(pendings)
                 )
-                statuses = [r.status for r in results]
-            except Exception:
+                outcomes = [(r.status, r.error) for r in results]
+            except Exception as exc:
                 log.exception("kvstore: publishing %d blocks failed", len(items))
                 self.namespace.group(array).abort_blocks(pendings)
-                statuses = [WriteStatus.FAILED] * len(items)
-            out.extend(zip((k for k, _ in items), statuses, strict=True))
+                outcomes = [(WriteStatus.FAILED, str(exc))] * len(items)
+            out.extend((k, st, err) for (k, _), (st, err) in zip(items, outcomes, strict=True))
         return out
 
     def note_worker_failures(
-        self, failed_store_keys: Iterable[bytes], failed_load_keys: Iterable[bytes]
+        self,
+        failed_store_keys: Iterable[bytes],
+        failed_load_keys: Iterable[bytes],
+        causes: Mapping[bytes, str] | None = None,
     ) -> None:
-        """Worker reports (before ``complete_store`` of their job): what must not be
-        published, and keys whose file turned out missing or corrupt."""
+        """Worker reports (before ``complete_store`` / ``complete_load`` of their job): what
+        must not be published, and keys whose file turned out missing or corrupt. ``causes``
+        (:mod:`connector.metrics` cause per key, merged over the ranks) says why; a key
+        without one counts as an I/O error."""
+        causes = causes or {}
         stores = {bytes(k) for k in failed_store_keys} & self._pending.keys()
         if stores:
-            self._failed_stores |= stores
+            m.merge_causes(self._failed_stores, {k: causes.get(k, m.IO_ERROR) for k in stores})
             if self.options.write_backoff_s > 0:
                 if self._now() >= self._backoff_until:
                     log.warning(
@@ -265,6 +382,11 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             self._present.pop(k, None)
             self._absent.pop(k, None)
             self.counters["load_failures"] += 1
+            cause = causes.get(k, m.IO_ERROR)
+            if k in self._pins:  # counted once, when the job completes on every rank
+                m.merge_causes(self._load_failed, {k: cause})
+            else:  # pragma: no cover - vLLM completes a load only after every report
+                self.metrics.count(m.FAILED_BLOCKS, 1, m.LOAD, cause)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -286,18 +408,37 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             self._probes = waiting
         if self._publishes:
             waiting_p = []
-            for publish in self._publishes:
+            for publish, offered in self._publishes:
                 if not publish.done():
-                    waiting_p.append(publish)
+                    waiting_p.append((publish, offered))
                     continue
-                for key, status in publish.result():
-                    self._publishing.discard(key)
-                    if status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
-                        self._remember(key)
-                        self.counters["blocks_published"] += status is WriteStatus.WRITTEN
-                    else:
-                        self.counters["blocks_not_published"] += 1
+                self._apply_publish(publish.result())
+                if offered is not None:
+                    self.metrics.observe(m.STORE_SECONDS, self._now() - offered)
             self._publishes = waiting_p
+
+    def _apply_publish(self, results: _Published) -> None:
+        written: list[bytes] = []
+        for key, status, error in results:
+            self._publishing.discard(key)
+            self._pending_bytes = max(0, self._pending_bytes - self._bytes_of(key))
+            if status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
+                self._remember(key)
+                if status is WriteStatus.WRITTEN:
+                    self.counters["blocks_published"] += 1
+                    self.metrics.count(m.STORED_BLOCKS)
+                    self.metrics.count(m.STORED_BYTES, self._bytes_of(key))
+                    written.append(key)
+                else:  # another server published it first
+                    self.metrics.count(m.STORE_SKIPPED_BLOCKS, 1, m.PRESENT)
+                continue
+            self.counters["blocks_not_published"] += 1
+            cause = self._abort_cause.pop(key, None) or m.write_cause(error)
+            if cause == m.CACHE_RESET:
+                self.metrics.count(m.STORE_DROPPED_BLOCKS, 1, m.CACHE_RESET)
+            else:
+                self.metrics.count(m.FAILED_BLOCKS, 1, m.STORE, cause)
+        self.events.stored(written)
 
     def _apply_probe(self, results: Iterable[tuple[bytes, bool]]) -> None:
         expires = self._now() + self.options.miss_ttl_s
@@ -316,6 +457,10 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self._present.move_to_end(key)
         while len(self._present) > self.options.index_capacity:
             self._present.popitem(last=False)
+
+    def _bytes_of(self, key: bytes) -> int:
+        """Bytes of the whole block ``key`` names (every rank's share)."""
+        return self._block_bytes.get(self.key_map.split(key)[0], 0)
 
     def _parent(self, key: bytes, req_context: ReqContext) -> bytes | None:
         """Block hash of the key that ends one block before ``key`` in this request."""
@@ -357,9 +502,13 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self._present.clear()
         self._absent.clear()
         self._pins.clear()
-        self._orphans.extend(self._pending.values())
+        self._orphans.extend(self._pending.items())
+        self._abort_cause.update(dict.fromkeys(self._pending, m.CACHE_RESET))
         self._pending.clear()
         self._failed_stores.clear()
+        self._offered_at.clear()
+        self._load_started.clear()
+        self._load_failed.clear()
 
     def on_reset_flushed(self) -> None:
         """vLLM 0.33: every worker reported the jobs in flight at the last reset."""
@@ -369,16 +518,45 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         """Abort the blocks pending at past resets (no worker writes them any more)."""
         orphans, self._orphans = self._orphans, []
         by_array: dict[int, list[tuple[bytes, PendingBlock]]] = defaultdict(list)
-        for pending in orphans:
-            by_array[pending.group].append((pending.block_hash, pending))
+        for key, pending in orphans:
+            by_array[pending.group].append((key, pending))
         if by_array:
-            self._publishes.append(self._pool.submit(self._publish, {}, dict(by_array)))
+            self._publishes.append((self._pool.submit(self._publish, {}, dict(by_array)), None))
+
+    # -- operating: metrics and events (docs/metrics.md) ----------------------------------------
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The metrics since the last call (vLLM calls it every step it logs stats)."""
+        self._drain()
+        backoff = 1 if self._now() < self._backoff_until else 0
+        self.metrics.gauge(m.WRITE_BACKOFF, backoff)
+        self.metrics.gauge(m.PENDING_STORE_BYTES, self._pending_bytes)
+        self.metrics.gauge(m.PENDING_STORE_BLOCKS, len(self._pending) + len(self._publishing))
+        self.metrics.gauge(m.PENDING_JOBS, len(self._probes), m.PROBE)
+        self.metrics.gauge(m.PENDING_JOBS, len(self._publishes), m.PUBLISH)
+        stats = OffloadingConnectorStats()
+        return stats if self.metrics.take(stats) else None
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Blocks published by this engine and blocks found gone (:mod:`connector.events`)."""
+        return self.events.take()
+
+    def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
+        """vLLM 0.33's ``vllm:kv_offload_config_info`` labels (:data:`m.CONFIG_INFO_KEYS`)."""
+        values = (
+            str(self.store.root),
+            self.namespace.name,
+            self.options.admit_after,
+            self.options.max_pending_store_bytes,
+            self.options.kv_events_locality,
+        )
+        return [dict(zip(m.CONFIG_INFO_KEYS, values, strict=True))]
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait for every queued probe and publish and apply them (tests, shutdown)."""
         self._flush_probes()
         futures: list[Future[Any]] = [f for _, f in self._probes]
-        futures.extend(self._publishes)
+        futures.extend(f for f, _ in self._publishes)
         wait_futures(futures, timeout=timeout)
         self._drain()
 
@@ -387,7 +565,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         leftovers: dict[int, list[PendingBlock]] = defaultdict(list)
         # The workers are stopped by now: blocks of unfinished jobs, and of jobs flushed by a
         # reset whose reports never came, are nobody's any more.
-        for pending in [*self._pending.values(), *self._orphans]:
+        for pending in [*self._pending.values(), *(p for _, p in self._orphans)]:
             leftovers[pending.group].append(pending)
         for array, pendings in leftovers.items():
             self.namespace.group(array).abort_blocks(pendings)

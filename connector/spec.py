@@ -17,12 +17,13 @@ import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingMetricMetadata, OffloadingSpec
 
 from connector import compat
+from connector import metrics as kvstore_metrics
 from connector.config import ConnectorConfig
 from connector.facts import current
 from connector.identity import derive_identity
@@ -65,6 +66,18 @@ def _being_created(root: Path) -> bool:
 
 class KVStoreSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
     """kvstore as vLLM's offloading medium: a persistent, shared, layout-free page store."""
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """The ``vllm:kvstore_*`` series the manager reports (docs/metrics.md)."""
+        return kvstore_metrics.metric_definitions()
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33: label names of ``vllm:kv_offload_config_info`` the manager fills."""
+        return kvstore_metrics.CONFIG_INFO_KEYS
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -117,6 +130,7 @@ class KVStoreSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]  # Any w
             key_map=self.key_map,
             options=self.options,
             commit_checksum_all=self.facts.dcp > 1,
+            events_enabled=self.kv_events_config.enable_kv_cache_events,
         )
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KVStoreWorker:

@@ -53,6 +53,7 @@ from connector import compat
 from connector.compat import manager_lock
 from connector.facts import engine_facts, provide
 from connector.manager import KVStoreManager
+from connector.metrics import merge_causes
 from connector.spec import KVStoreSpec
 from connector.worker import KVStoreWorker
 
@@ -63,19 +64,24 @@ class KVStoreWorkerMetadata(OffloadingWorkerMetadata):  # type: ignore[misc, unu
 
     failed_store_keys: list[bytes] = field(default_factory=list)
     failed_load_keys: list[bytes] = field(default_factory=list)
+    # why each failed (connector.metrics causes); the worse cause wins across ranks
+    failure_causes: dict[bytes, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = super().aggregate(other)
         assert isinstance(merged, OffloadingWorkerMetadata)
         stores, loads = list(self.failed_store_keys), list(self.failed_load_keys)
+        causes = dict(self.failure_causes)
         if isinstance(other, KVStoreWorkerMetadata):
             stores += other.failed_store_keys
             loads += other.failed_load_keys
+            merge_causes(causes, other.failure_causes)
         return KVStoreWorkerMetadata(
             completed_jobs=merged.completed_jobs,
             transfer_stats=merged.transfer_stats,
             failed_store_keys=stores,
             failed_load_keys=loads,
+            failure_causes=causes,
         )
 
 
@@ -140,6 +146,7 @@ class KVStoreConnector(OffloadingConnector):  # type: ignore[misc, unused-ignore
         if worker is None:
             return meta
         stores, loads = worker.take_failed_keys()
+        causes = worker.take_failure_causes()
         if meta is None and not stores and not loads:
             return None
         base = meta if meta is not None else OffloadingWorkerMetadata()
@@ -148,6 +155,7 @@ class KVStoreConnector(OffloadingConnector):  # type: ignore[misc, unused-ignore
             transfer_stats=base.transfer_stats,
             failed_store_keys=stores,
             failed_load_keys=loads,
+            failure_causes=causes,
         )
 
     # -- scheduler side ------------------------------------------------------------------------
@@ -167,7 +175,9 @@ class KVStoreConnector(OffloadingConnector):  # type: ignore[misc, unused-ignore
                 if isinstance(meta, KVStoreWorkerMetadata) and (
                     meta.failed_store_keys or meta.failed_load_keys
                 ):
-                    manager.note_worker_failures(meta.failed_store_keys, meta.failed_load_keys)
+                    manager.note_worker_failures(
+                        meta.failed_store_keys, meta.failed_load_keys, meta.failure_causes
+                    )
                 if self._own_reset_fence and isinstance(meta, OffloadingWorkerMetadata):
                     self._count_reports(manager, meta.completed_jobs)
         super().update_connector_output(connector_output)

@@ -45,6 +45,7 @@ from vllm.v1.kv_offload.base import (
 from connector.executor import EXPEDITED, LOAD, STORE, PriorityExecutor
 from connector.facts import EngineFacts
 from connector.identity import KeyMap
+from connector.metrics import error_cause, merge_causes, read_cause
 from connector.rank import RankContext, certify, check_mapping, family_of, group_tensors
 from connector.streams import PASSED, AllOf, EventFence, Fence, Streams, streams_for
 from connector.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
@@ -82,6 +83,7 @@ class _Outcome:
     failed_keys: list[bytes] = field(default_factory=list)
     failed_blocks: list[int] = field(default_factory=list)
     reasons: Counter[str] = field(default_factory=Counter)
+    causes: dict[bytes, str] = field(default_factory=dict)  # failed key -> metrics cause
 
 
 @dataclass
@@ -123,6 +125,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         self._failed_load_requests: set[str] = set()
         self._failed_store_keys: list[bytes] = []
         self._failed_load_keys: list[bytes] = []
+        self._failure_causes: dict[bytes, str] = {}  # failed key -> connector.metrics cause
         # TEST ONLY (tests/e2e negative control): zero every verified page after loading it,
         # to show that the loaded bytes are what the engine computes with.
         self._perturb_loads = os.environ.get(PERTURB_LOADS_ENV) == "1"
@@ -242,6 +245,11 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         self._failed_store_keys, self._failed_load_keys = [], []
         return out
 
+    def take_failure_causes(self) -> dict[bytes, str]:
+        """Why each key of :meth:`take_failed_keys` failed (:mod:`connector.metrics` causes)."""
+        out, self._failure_causes = self._failure_causes, {}
+        return out
+
     # -- stores --------------------------------------------------------------------------------
 
     def _elected_work(
@@ -319,6 +327,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
                     outcome.failed_keys.append(keys[i])
                     outcome.failed_blocks.append(block_id)
                     outcome.reasons[_reason(result.status)] += 1
+                    outcome.causes[keys[i]] = read_cause(result.status, result.error)
             if self._perturb_loads and loaded:
                 _perturb_pages(group, loaded)
 
@@ -363,6 +372,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
             detail,
             consequence,
         )
+        merge_causes(self._failure_causes, outcome.causes)
         if job.is_load:
             self._load_error_blocks.update(outcome.failed_blocks)
             self._failed_load_keys.extend(outcome.failed_keys)
@@ -426,6 +436,9 @@ def _fail(outcome: _Outcome, keys: Sequence[bytes], blocks: Sequence[int], exc: 
     outcome.failed_keys.extend(keys)
     outcome.failed_blocks.extend(blocks)
     outcome.reasons[_error_text(exc)] += len(keys)
+    cause = error_cause(exc)
+    for key in keys:
+        outcome.causes[key] = cause
 
 
 def _error_text(exc: BaseException) -> str:
