@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 from itertools import islice
@@ -55,10 +54,10 @@ from vllm.v1.kv_offload.tiering.backpressure import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+import connector.spec
 from connector.config import ConnectorConfig
 from connector.facts import current
 from connector.identity import derive_identity
-from connector.spec import open_store
 from connector.tier.chunks import ChunkGeometry, build_chunk_map, rows_of
 from connector.tier.config import TierConfig
 from connector.tier.jobs import JobRunner, Outcome
@@ -69,9 +68,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 log = logging.getLogger("kvstore.connector")
-
-# Seconds between two log lines about failed block writes (a full disk fails every job).
-_WRITE_FAILURE_LOG_S = 30.0
 
 
 class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
@@ -110,7 +106,8 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             model_revision=self.options.model_revision,
         )
         self.identity, self.key_map = derive_identity(config, facts, naming)
-        geometry = ChunkGeometry(
+        self.facts = facts
+        self.geometry = ChunkGeometry(
             row_bytes=self.block_size_bytes,
             cell_bytes=int(getattr(offloading_spec, "cpu_page_size_per_worker", 0)),
             world_size=int(config.parallel.world_size),
@@ -118,8 +115,8 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             replicated_layout=bool(getattr(offloading_spec, "replicated_layout", False)),
             blocks_per_chunk=int(offloading_spec.blocks_per_chunk),
         )
-        self.chunks = build_chunk_map(rows_of(primary_kv_view), self.identity, facts, geometry)
-        self.store = open_store(self.options.store)
+        self.chunks = build_chunk_map(rows_of(primary_kv_view), self.identity, facts, self.geometry)
+        self.store = connector.spec.open_store(self.options.store)  # one place tests inject faults
         try:
             self.namespace = self.store.namespace(self.identity)
         except BaseException:
@@ -128,7 +125,6 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         self.tokens_per_block = self.identity.tokens_per_block
         self._present: OrderedDict[bytes, None] = OrderedDict()
         self._jobs_keys: dict[int, tuple[list[bytes], bool]] = {}  # job id -> (keys, is_load)
-        self._last_write_failure_log = -_WRITE_FAILURE_LOG_S
         self._probe = StoreProbe(self.namespace, self.key_map, tier_type)
         self._runner = JobRunner(self.options.load_threads, self.options.store_threads)
         log.info(
@@ -221,10 +217,12 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
     def _store_blocks(
         self, keys: Sequence[bytes], chunk_ids: Sequence[int], parents: Sequence[bytes | None]
     ) -> Outcome:
-        """Publish the canonical blocks of the chunks; the keys written or already present."""
+        """Publish the canonical blocks of the chunks; the keys written or already present.
+
+        A failed write is logged by the store (one line per batch, with the first error) and
+        leaves the key out: the job fails, and vLLM's backpressure counts it."""
         ok: set[bytes] = set()
         nbytes = 0
-        errors: list[str] = []
         for array, items in _by_array(self.key_map, keys).items():
             todo = [(i, h) for i, h in items if keys[i] not in self._present]
             ok.update(keys[i] for i, h in items if keys[i] in self._present)
@@ -237,10 +235,6 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
                 if result.status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
                     ok.add(keys[i])
                     nbytes += blocks.shape[1]
-                else:
-                    errors.append(result.error)
-        if errors:
-            self._log_write_failures(len(errors), errors[0])
         return Outcome(frozenset(ok), nbytes)
 
     def _load_blocks(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> Outcome:
@@ -260,17 +254,6 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             ok.update(keys[items[j][0]] for j in hits)
             nbytes += len(hits) * block_bytes
         return Outcome(frozenset(ok), nbytes)
-
-    def _log_write_failures(self, count: int, first: str) -> None:
-        now = time.monotonic()
-        if now - self._last_write_failure_log >= _WRITE_FAILURE_LOG_S:
-            self._last_write_failure_log = now
-            log.warning(
-                "kvstore tier: %d block writes failed (%s); vLLM recomputes those blocks and "
-                "its backpressure drops stores while writes keep failing",
-                count,
-                first,
-            )
 
     # -- bookkeeping ---------------------------------------------------------------------------
 

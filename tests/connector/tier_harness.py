@@ -49,9 +49,10 @@ from connector.tier import KVStoreTier, tier_entry
 from .harness import Engine, EngineOptions
 
 CPU_BYTES = 1 << 20  # CPU tier size: 128 chunks of the tiny models' 8 KiB rows
+ENGINE_ID = "test-engine"  # tests/connector/harness.py's engine_id (names the /dev/shm region)
 
 
-class ChunkCopyWorker(OffloadingWorker):  # type: ignore[misc]
+class ChunkCopyWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]
     """vLLM's CPU-tier worker copies, on CPU tensors, into vLLM's shared region."""
 
     def __init__(self, spec: TieringOffloadingSpec, kv_caches: CanonicalKVCaches) -> None:
@@ -76,12 +77,14 @@ class ChunkCopyWorker(OffloadingWorker):  # type: ignore[misc]
         self.refs = kv_caches.group_data_refs
         self.done: list[TransferResult] = []
 
-    def _copy(self, job_id: int, gpu: GPULoadStoreSpec, cpu: BlockIDsLoadStoreSpec, store: bool) -> bool:
+    def _copy(self, job_id: int, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec, store: bool) -> bool:
+        assert isinstance(cpu, BlockIDsLoadStoreSpec)
         blocks, chunks = np.asarray(gpu.block_ids), np.asarray(cpu.block_ids)
         assert len(blocks) == len(chunks), "blocks_per_chunk must be 1"
         start = 0
         for group, size in enumerate(gpu.group_sizes):
-            for block, chunk in zip(blocks[start : start + size], chunks[start : start + size]):
+            pairs = zip(blocks[start : start + size], chunks[start : start + size], strict=True)
+            for block, chunk in pairs:
                 for ref in self.refs[group]:
                     self._copy_page(ref, int(block), int(chunk), store)
             start += size
@@ -107,11 +110,17 @@ class ChunkCopyWorker(OffloadingWorker):  # type: ignore[misc]
                 else:
                     gpu[local : local + size].copy_(cpu[canon : canon + size])
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
         return self._copy(job_id, src_spec, dst_spec, store=True)
 
     def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
     ) -> bool:
         return self._copy(job_id, dst_spec, src_spec, store=False)
 
@@ -127,13 +136,15 @@ class ChunkCopyWorker(OffloadingWorker):  # type: ignore[misc]
         self.region.cleanup()
 
 
-class CPUTieringSpec(TieringOffloadingSpec):  # type: ignore[misc]
+class CPUTieringSpec(TieringOffloadingSpec):  # type: ignore[misc, unused-ignore]
     """vLLM's tiering spec with :class:`ChunkCopyWorker` as its worker."""
 
+    _copy_worker: ChunkCopyWorker | None = None
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._worker is None:
-            self._worker = ChunkCopyWorker(self, kv_caches)
-        return self._worker
+        if self._copy_worker is None:
+            self._copy_worker = ChunkCopyWorker(self, kv_caches)
+        return self._copy_worker
 
 
 def tier_extra(root: Path, canonical: bool = False, **tier: Any) -> dict[str, Any]:
@@ -154,12 +165,15 @@ class TierEngine(Engine):
 
     def __init__(self, options: EngineOptions, canonical: bool = False, **tier: Any) -> None:
         extra = {**tier_extra(options.root, canonical, **tier), **options.extra}
+        for stale in Path("/dev/shm").glob(f"vllm_offload_{ENGINE_ID}.mmap*"):
+            stale.unlink()  # left by an engine whose construction failed (a refused config)
         super().__init__(dataclasses.replace(options, extra=extra))
 
     @property
     def tiering(self) -> TieringOffloadingManager:
         connector = self.scheduler.connector
         assert isinstance(connector, OffloadingConnector)
+        assert connector.connector_scheduler is not None
         manager = connector.connector_scheduler.manager
         assert isinstance(manager, TieringOffloadingManager)
         return manager

@@ -1,0 +1,137 @@
+"""kvstore as vLLM's secondary tier: stored, restarted, promoted back byte-exact.
+
+Every test drives vLLM 0.33's real Scheduler, ``TieringOffloadingManager`` and CPU primary
+tier with :class:`connector.tier.KVStoreTier` loaded from ``secondary_tiers`` by
+``module_path`` (tests/connector/tier_harness.py; the CUDA-only CPU-tier worker is replaced by
+a CPU copy into vLLM's own shared region).
+
+"Promoted back byte-exact" is checked when the request is first scheduled on a new engine
+(empty CPU tier, zeroed KV tensors): the KV of every token it starts with must already equal
+the fake model's values on every rank, so it came from the store through the CPU tier.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a separate venv)")
+
+from kvstore import KVStore, StoreConfig
+
+from .harness import BLOCK, Engine, EngineOptions, prompt
+from .tier_harness import TierEngine
+
+PROMPT = prompt(5 * BLOCK + 3)  # five full blocks and a partial one
+
+
+def store_through_tier(root: Path, canonical: bool = False, **options: Any) -> list[bytes]:
+    """Serve PROMPT on a tiering engine; return the request's block hashes once stored."""
+    engine = TierEngine(EngineOptions(root=root, **options), canonical=canonical)
+    request = engine.serve("writer", PROMPT)
+    engine.flush_tier()
+    engine.shutdown()
+    return list(request.block_hashes)
+
+
+E = TypeVar("E", bound=Engine)
+
+
+def promote(engine: E, tokens: list[int] = PROMPT) -> E:
+    engine.serve("reader", [*tokens, 999], max_tokens=1)
+    return engine
+
+
+def test_restarted_engine_promotes_stored_blocks_byte_exact(tmp_path: Path) -> None:
+    hashes = store_through_tier(tmp_path)
+    assert len(hashes) == 5
+    engine = promote(TierEngine(EngineOptions(root=tmp_path)))
+    assert engine.first_start["reader"] == 5 * BLOCK  # all five blocks came from the store
+    assert engine.prefix_ok["reader"]
+    assert min(engine.computed["reader"]) == 5 * BLOCK
+    assert engine.tier.store.stats.snapshot()["hits"] == 5
+    name = engine.tier.namespace.name
+    engine.shutdown()
+    with KVStore(StoreConfig(root=tmp_path)) as store:  # format v1, readable by the tools
+        group = store.open_namespace(name).group(0)
+        assert group.contains(hashes) == [True] * 5
+        parents = [group.read_header(h)[0].parent_hash for h in hashes]
+        assert parents == [None, *hashes[:-1]]
+
+
+@pytest.mark.parametrize(
+    ("write", "read"),
+    [
+        ({"tp": 2}, {"tp": 1}),
+        ({"tp": 1, "layout": "BLHNC"}, {"tp": 4}),  # packed rows -> per-worker cells
+        ({"tp": 8}, {"tp": 2, "layout": "LBNHC"}),  # replicated heads; NHD pages
+        ({"tp": 2, "canonical": True}, {"tp": 4}),  # vLLM's canonical pages -> cells
+        ({"tp": 4}, {"tp": 2, "canonical": True}),
+    ],
+    ids=["tp2-to-tp1", "packed-to-tp4", "tp8-to-nhd-tp2", "canonical-to-tp4", "tp4-to-canonical"],
+)
+def test_tiers_of_other_layouts_share_blocks(
+    tmp_path: Path, write: dict[str, Any], read: dict[str, Any]
+) -> None:
+    store_through_tier(tmp_path, **write)
+    canonical = read.pop("canonical", False)
+    engine = promote(TierEngine(EngineOptions(root=tmp_path, **read), canonical=canonical))
+    assert engine.first_start["reader"] == 5 * BLOCK
+    assert engine.prefix_ok["reader"]
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("write", "read"),
+    [({"tp": 2}, {"tp": 1, "layout": "BLHNC"}), ({"tp": 1, "canonical": True}, {"tp": 4})],
+    ids=["tier-tp2-to-connector-packed", "tier-canonical-to-connector-tp4"],
+)
+def test_direct_connector_reads_what_the_tier_stored(
+    tmp_path: Path, write: dict[str, Any], read: dict[str, Any]
+) -> None:
+    store_through_tier(tmp_path, **write)
+    engine = promote(Engine(EngineOptions(root=tmp_path, **read)))
+    assert engine.manager.counters["blocks_loaded"] == 5
+    assert engine.first_start["reader"] == 5 * BLOCK
+    assert engine.prefix_ok["reader"]
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("write", "read"),
+    [({"tp": 4}, {"tp": 1}), ({"tp": 1, "layout": "LBNHC"}, {"tp": 2, "canonical": True})],
+    ids=["connector-tp4-to-tier-tp1", "connector-nhd-to-tier-canonical-tp2"],
+)
+def test_tier_promotes_what_the_direct_connector_stored(
+    tmp_path: Path, write: dict[str, Any], read: dict[str, Any]
+) -> None:
+    first = Engine(EngineOptions(root=tmp_path, **write))
+    first.serve("writer", PROMPT)
+    assert first.manager.counters["blocks_published"] == 5
+    first.shutdown()
+    canonical = read.pop("canonical", False)
+    engine = promote(TierEngine(EngineOptions(root=tmp_path, **read), canonical=canonical))
+    assert engine.first_start["reader"] == 5 * BLOCK
+    assert engine.prefix_ok["reader"]
+    engine.shutdown()
+
+
+def test_mla_and_hybrid_models_round_trip(tmp_path: Path) -> None:
+    """MLA (latent replicated on every TP rank) and two KV-cache groups (full + sliding)."""
+    store_through_tier(tmp_path / "mla", mla=True, tp=2)
+    engine = promote(TierEngine(EngineOptions(root=tmp_path / "mla", mla=True)))
+    assert engine.first_start["reader"] == 5 * BLOCK
+    assert engine.prefix_ok["reader"]
+    engine.shutdown()
+    hybrid: dict[str, Any] = {"hybrid": True, "model": "tiny_hybrid"}
+    long_prompt = prompt(8 * BLOCK + 3)
+    first = TierEngine(EngineOptions(root=tmp_path / "hybrid", **hybrid, tp=2))
+    first.serve("writer", long_prompt)
+    first.flush_tier()
+    first.shutdown()
+    second = promote(TierEngine(EngineOptions(root=tmp_path / "hybrid", **hybrid)), long_prompt)
+    assert second.first_start["reader"] == 8 * BLOCK
+    assert second.prefix_ok["reader"]
+    second.shutdown()

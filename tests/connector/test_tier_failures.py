@@ -1,0 +1,164 @@
+"""The kvstore tier never fails the engine: bad blocks are misses, failed or slow stores drop.
+
+Driven like tests/connector/test_tier.py (vLLM 0.33's real Scheduler and
+``TieringOffloadingManager``, tests/connector/tier_harness.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a separate venv)")
+
+from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
+
+import connector.spec
+from connector.tier import KVStoreTier
+from connector.tier.chunks import build_chunk_map, rows_of
+from connector.tier.config import TierConfig
+from kvstore import ConfigError, KVStore, StoreConfig
+from kvstore.store.paths import TMP_MARK
+
+from .harness import BLOCK, EngineOptions, prompt
+from .test_failures import FullDisk
+from .tier_harness import TierEngine
+
+PROMPT = prompt(5 * BLOCK + 3)
+
+
+def _stored(root: Path) -> tuple[str, list[bytes]]:
+    engine = TierEngine(EngineOptions(root=root))
+    request = engine.serve("writer", PROMPT)
+    engine.flush_tier()
+    name = engine.tier.namespace.name
+    engine.shutdown()
+    return name, list(request.block_hashes)
+
+
+def _block_file(root: Path, name: str, block_hash: bytes) -> tuple[Path, int]:
+    with KVStore(StoreConfig(root=root)) as store:
+        group = store.open_namespace(name).group(0)
+        return Path(group.path_of(block_hash)), group.layout.data_offset
+
+
+def test_corrupt_block_is_a_miss_from_that_block_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    name, hashes = _stored(tmp_path)
+    path, data_offset = _block_file(tmp_path, name, hashes[2])
+    raw = bytearray(path.read_bytes())
+    raw[data_offset + 7] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    engine = TierEngine(EngineOptions(root=tmp_path))
+    with caplog.at_level(logging.WARNING):
+        engine.serve("reader", [*PROMPT, 999], max_tokens=1)
+    # blocks 0 and 1 promoted, block 2 failed its promotion (a miss), 3 and 4 are after it
+    assert engine.first_start["reader"] == 2 * BLOCK
+    assert engine.prefix_ok["reader"]
+    assert min(engine.computed["reader"]) == 2 * BLOCK
+    assert engine.tier.store.stats.snapshot()["corrupt"] == 1
+    assert list((tmp_path / name / "quarantine").iterdir())  # never served again
+    assert any("corrupt" in r.getMessage() for r in caplog.records)
+    engine.shutdown()
+
+
+def test_block_vanished_after_it_was_known_present_is_a_miss(tmp_path: Path) -> None:
+    """The tier remembers what it stored; ``kvstore gc`` may remove a file meanwhile."""
+    name, hashes = _stored(tmp_path)
+    engine = TierEngine(EngineOptions(root=tmp_path))
+    for h in hashes:
+        engine.tier._remember(h + bytes(4))  # OffloadKey: hash + group id 0
+    path = _block_file(tmp_path, name, hashes[3])[0]
+    path.unlink()
+    engine.serve("reader", [*PROMPT, 999], max_tokens=1)
+    assert engine.first_start["reader"] == 3 * BLOCK
+    assert engine.prefix_ok["reader"]
+    engine.flush_tier()
+    assert path.exists()  # vLLM recomputed block 3 and stored it through the tier again
+    engine.shutdown()
+
+
+def test_full_disk_fails_store_jobs_and_backpressure_drops_stores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    disk = FullDisk()
+    monkeypatch.setattr(connector.spec, "open_store", lambda config: KVStore(config, fio=disk))
+    engine = TierEngine(EngineOptions(root=tmp_path))
+    detector = engine.tier.bp_detector
+    assert isinstance(detector, EMABackpressureDetector)  # the default: fs tier's settings
+    disk.full = True
+    with caplog.at_level(logging.WARNING):
+        for i in range(4):  # one store job per request
+            engine.serve(f"r{i}", prompt(2 * BLOCK + 1, start=1000 * (i + 1)))
+            engine.flush_tier()
+    assert detector.is_under_pressure()  # 3 failed store jobs in a row
+    # the 4th request's store was dropped, not submitted (vLLM counts it in its metrics)
+    assert engine.tier.store.stats.snapshot()["write_failures"] == 3 * 2
+    assert not list(tmp_path.rglob(f"*{TMP_MARK}*"))  # temporary files rolled back
+    # one line per failed job, from the store, until backpressure stops submitting them
+    assert sum(1 for r in caplog.records if "No space left" in r.getMessage()) == 3
+    assert engine.tier.store.stats.snapshot()["blocks_written"] == 0
+    engine.shutdown()
+
+
+def test_slow_store_is_dropped_by_configured_backpressure(tmp_path: Path) -> None:
+    """vLLM's backpressure entry reaches the tier: a store slower than the high watermark
+    (here: any store) has later stores dropped instead of queued."""
+    backpressure = {
+        "backpressure_cls": "EMABackpressureDetector",
+        "policy_cls": "DropStorePolicy",
+        "high_water_s": 1e-12,
+        "low_water_s": 1e-12,
+        "warmup_completions": 1,
+        "decay_half_life_s": 0,
+    }
+    engine = TierEngine(EngineOptions(root=tmp_path), backpressure=backpressure)
+    for i in range(4):
+        engine.serve(f"r{i}", prompt(2 * BLOCK + 1, start=1000 * (i + 1)))
+        engine.flush_tier()
+    detector = engine.tier.bp_detector
+    assert detector is not None and detector.is_under_pressure()
+    assert engine.tier.store.stats.snapshot()["blocks_written"] < 4 * 2  # some were dropped
+    engine.shutdown()
+
+
+def test_tier_keys_are_parsed_strictly() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['rooot'\].*accepted keys"):
+        TierConfig.from_options({"rooot": "/x"})
+    with pytest.raises(ConfigError, match="expected 'root'"):
+        TierConfig.from_options({"durability": "full"})
+    with pytest.raises(ConfigError, match="load_threads: expected an int"):
+        TierConfig.from_options({"root": "/x", "load_threads": "many"})
+    with pytest.raises(ConfigError, match="durability"):
+        TierConfig.from_options({"root": "/x", "durability": "sometimes"})
+    config = TierConfig.from_options(
+        {"root": "/x", "io_threads": "3", "default_backpressure": "false"}
+    )
+    assert (config.store.durability, config.store.io_threads) == ("none", 3)
+    assert not config.default_backpressure
+
+
+def test_tier_outside_kvstore_connector_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="KVStoreConnector"):
+        KVStoreTier(cast(Any, None), memoryview(b""), "KVStoreTier", root=str(tmp_path))
+
+
+def test_unmappable_chunk_configurations_are_refused_at_startup(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="blocks_per_chunk=2"):
+        TierEngine(EngineOptions(root=tmp_path, extra={"block_size": 2 * BLOCK}))
+    engine = TierEngine(EngineOptions(root=tmp_path, tp=2))
+    tier = engine.tier
+    rows = rows_of(tier._primary_kv_view)
+    small = dataclasses.replace(tier.geometry, cell_bytes=tier.geometry.cell_bytes // 2)
+    with pytest.raises(ConfigError, match=r"per-worker cells.*needs \d+ bytes per cell"):
+        build_chunk_map(rows, tier.identity, tier.facts, small)
+    wide = dataclasses.replace(tier.geometry, world_size=4)
+    with pytest.raises(ConfigError, match="4 workers, but the parallel layout"):
+        build_chunk_map(rows, tier.identity, tier.facts, wide)
+    del rows
+    engine.shutdown()
