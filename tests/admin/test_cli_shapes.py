@@ -51,7 +51,7 @@ def test_json_shapes(root: Path, ns: str, capsys: pytest.CaptureFixture[str]) ->
     assert rc == 0 and set(doc) == {
         "root", "dry_run", "time", "policy", "before", "trash_emptied", "temps_removed",
         "evicted", "after", "over_budget", "headers_read", "seconds", "usage_complete",
-        "future_mtimes_reset", "findings",
+        "future_mtimes_reset", "findings", "by_namespace", "filesystem",
     }  # fmt: skip
     assert set(doc["evicted"]) == {
         "blocks", "bytes", "by_namespace", "kept_recently_used", "already_gone", "victims",
