@@ -14,6 +14,8 @@ Suites (``--suite NAME[,NAME]``; all by default), one module each:
 * ``compression`` (:mod:`kvstore.bench.compression`): codec ratio and speed on KV-like values,
   and the store with each compression setting.
 * ``overhead`` (:mod:`kvstore.bench.overhead`): Python time per block over the raw floor.
+* ``tier`` (:mod:`kvstore.bench.tier`): kvstore as vLLM's secondary tier vs vLLM's ``fs`` tier,
+  behind the same tiering manager (needs vLLM 0.33).
 
 The report (machine, targets, the markdown page) is :mod:`kvstore.bench.report`; the systems
 the throughput suite compares are :mod:`kvstore.bench.systems`.
@@ -42,12 +44,13 @@ from kvstore.bench import (
     overhead,
     scaling,
     throughput,
+    tier,
 )
 from kvstore.bench.common import DATA_NOTE
 from kvstore.bench.report import legacy_keys, machine, markdown_report, targets
 from kvstore.bench.systems import SYSTEMS
 
-SUITES = ("throughput", "lookup", "layouts", "scaling", "compression", "overhead")
+SUITES = ("throughput", "lookup", "layouts", "scaling", "compression", "overhead", "tier")
 # The default run: the store against the raw floor, lookup and per-block overhead, in about a
 # minute on the 2-core reference machine; the other suites with --suite or --full.
 QUICK_SUITES = ("throughput", "lookup", "overhead")
@@ -283,6 +286,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "scaling": _run_scaling,
     "compression": _run_compression,
     "overhead": _run_overhead,
+    "tier": lambda args, base: tier.run(base / "tier", _names(args.models)[0], args.gib),
 }
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "throughput": throughput.table,
@@ -291,6 +295,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "scaling": scaling.table,
     "compression": compression.table,
     "overhead": overhead.table,
+    "tier": tier.table,
 }
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "throughput": throughput.plot,
