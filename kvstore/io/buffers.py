@@ -8,6 +8,7 @@ page aligned. Freshly mapped pages are slow to touch the first time on the measu
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 
@@ -29,8 +30,15 @@ def is_aligned(view: memoryview, alignment: int = ALIGN) -> bool:
     """True when ``view``'s address and length are multiples of ``alignment``."""
     if len(view) % alignment:
         return False
-    address = np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
-    return address % alignment == 0
+    return address_of(view) % alignment == 0 if len(view) else True
+
+
+def address_of(view: memoryview) -> int:
+    """The address of ``view``'s first byte (called per segment on the write path: ctypes is
+    ~4x cheaper than numpy's ``.ctypes.data`` for writable memory)."""
+    if not view.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 class ThreadStaging:
