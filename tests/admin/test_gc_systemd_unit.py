@@ -6,6 +6,7 @@ the metrics file."""
 from __future__ import annotations
 
 import configparser
+import json
 import re
 import shlex
 import shutil
@@ -19,7 +20,8 @@ from kvstore.cli import build_parser
 from tests.admin.util import cli
 from tests.helpers import StoreFactory, make_small_identity
 
-UNIT_DIR = Path(__file__).resolve().parents[2] / "scripts" / "systemd"
+REPO = Path(__file__).resolve().parents[2]
+UNIT_DIR = REPO / "scripts" / "systemd"
 UNIT = UNIT_DIR / "kvstore-gc.service"
 ENV = UNIT_DIR / "kvstore-gc.env"
 VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -152,3 +154,16 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
+
+
+def test_container_example_command_parses() -> None:
+    """docs/operating.md's compose service: its ENTRYPOINT (kvstore gc) plus its command is a
+    command line `kvstore gc` accepts, with the same service flags as the unit."""
+    doc = (REPO / "docs" / "operating.md").read_text(encoding="utf-8")
+    entry = re.search(r"^ENTRYPOINT (\[.*\])$", doc, re.M)
+    command = re.search(r"^    command: (\[[^\]]*\])", doc, re.M)
+    assert entry and command
+    argv = [*json.loads(entry.group(1)), *json.loads(command.group(1))]
+    assert argv[0] == "kvstore"
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "gc" and args.watch and args.max_bytes and args.metrics is not None
