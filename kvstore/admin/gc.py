@@ -188,17 +188,14 @@ def _findings(scan: StoreScan, store: StoreView) -> list[dict[str, str]]:
 
 def _by_namespace(scan: StoreScan) -> dict[str, dict[str, int]]:
     """Blocks and quarantine of each namespace, as scanned (every namespace, even empty)."""
-    rows = {
-        ns.name: {"blocks": 0, "block_bytes": 0, "quarantine_entries": 0, "quarantine_bytes": 0}
-        for ns in scan.store.namespaces
-    }
-    zero = dict.fromkeys(("blocks", "block_bytes", "quarantine_entries", "quarantine_bytes"), 0)
+    fields = ("blocks", "block_bytes", "quarantine_entries", "quarantine_bytes")
+    rows = {ns.name: dict.fromkeys(fields, 0) for ns in scan.store.namespaces}
     for b in scan.blocks:
-        row = rows.setdefault(b.namespace or "", dict(zero))
+        row = rows.setdefault(b.namespace or "", dict.fromkeys(fields, 0))
         row["blocks"] += 1
         row["block_bytes"] += b.size
     for q in scan.quarantine:
-        row = rows.setdefault(q.namespace or "", dict(zero))
+        row = rows.setdefault(q.namespace or "", dict.fromkeys(fields, 0))
         row["quarantine_entries"] += 1
         row["quarantine_bytes"] += q.size
     return rows

@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.admin import gc
 from kvstore.admin.textfile import Family, Textfile, exposition
 from kvstore.store import paths
-from tests.admin.util import age, cli, snapshot, write
+from tests.admin.util import NS_PER_S, age, cli, set_mtime, snapshot, write
 from tests.helpers import StoreFactory, block_hash, make_small_identity
 
 REPO = Path(__file__).resolve().parents[2]
@@ -491,3 +492,36 @@ def test_metrics_written_after_a_failed_pass(
     samples = read_metrics(metrics)
     assert value(samples, "kvstore_gc_pass_errors_total") == 1
     assert value(samples, "kvstore_gc_passes_total") == 2
+
+
+def test_trash_and_temp_counters(
+    root: Path,
+    make_store: StoreFactory,
+    textdir: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An expired trash entry and a crashed writer's temporary file: both counted as found,
+    then as unlinked / removed."""
+    store = make_store()
+    ident = make_small_identity()
+    paths_ = write(store.namespace(ident).group(0), [block_hash(1)])
+    hour_ago = time.time_ns() - 3600 * NS_PER_S
+    orphan = Path(paths_[0] + ".tmp-00000000000000ff")
+    orphan.write_bytes(b"o" * 100)
+    set_mtime(orphan, hour_ago - 3600 * NS_PER_S)
+    trash = root / ident.namespace / "trash"
+    trash.mkdir()
+    (trash / f"g0-1-2-{hour_ago}").write_bytes(b"t" * 50)
+    metrics = textdir / "gc.prom"
+    rc, _out, err = cli(capsys, "gc", root, "--max-bytes", "1G", "--metrics", metrics)
+    assert rc == 0, err
+    samples = read_metrics(metrics)
+    assert value(samples, "kvstore_gc_trash_entries") == 1
+    assert value(samples, "kvstore_gc_trash_bytes") == 50
+    assert value(samples, "kvstore_gc_trash_unlinked_entries_total") == 1
+    assert value(samples, "kvstore_gc_trash_unlinked_bytes_total") == 50
+    assert value(samples, "kvstore_gc_usage_bytes", kind="temp") == 100
+    assert value(samples, "kvstore_gc_temps_removed_files_total") == 1
+    assert value(samples, "kvstore_gc_temps_removed_bytes_total") == 100
+    assert value(samples, "kvstore_gc_evicted_blocks_total", namespace=ident.namespace) == 0
+    assert not orphan.exists() and not any(trash.iterdir())
