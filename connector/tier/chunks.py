@@ -32,6 +32,7 @@ refused at startup by :func:`build_chunk_map` with a :class:`kvstore.ConfigError
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,7 +43,6 @@ from connector.facts import EngineFacts
 from connector.rank import family_of
 from kvstore import ConfigError, Identity, LayoutError
 from kvstore.layout import LocalForm, ParallelLayout, RankMapping, verify_tiling
-from kvstore.layout.page import gather_blocks, scatter_blocks
 from kvstore.layout.parallel import Family
 from kvstore.rank_io import group_geometry
 
@@ -76,36 +76,110 @@ class GroupChunks:
     sources: tuple[_Cell, ...]  # the cells that together hold every byte once (stores read)
 
 
+@dataclass(frozen=True)
+class _UnitPlan:
+    """One array's bytes in units of ``unit`` bytes (the gcd of every run, offset and size):
+    stores gather canonical unit ``k`` of a block from unit ``source[k]`` of its chunk row;
+    loads write row units ``target_rows`` from canonical units ``target_canon`` (every cell)."""
+
+    unit: int
+    dtype: torch.dtype  # widest integer type the unit divides (copies move elements)
+    width: int  # bytes of one element of dtype
+    source: torch.Tensor
+    target_rows: torch.Tensor
+    target_canon: torch.Tensor
+    canon_is_identity: bool  # target_canon == arange: loads need no gather of the block
+
+
+_WIDE = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
+
+
+def _unit_plan(group: GroupChunks, row_bytes: int) -> _UnitPlan:
+    """Index plan of ``group``: one ``index_select`` per store, one ``index_copy_`` per load."""
+    fragments = [
+        (cell.offset + local, canonical, size, cell in group.sources)
+        for cell in group.cells
+        for run in cell.mapping.runs
+        for local, canonical, size in run.fragments()
+    ]
+    unit = math.gcd(row_bytes, group.block_bytes)
+    for local, canonical, size, _ in fragments:
+        unit = math.gcd(unit, local, canonical, size)
+    source = np.full(group.block_bytes // unit, -1, dtype=np.int64)
+    rows: list[np.ndarray] = []
+    canons: list[np.ndarray] = []
+    for local, canonical, size, is_source in fragments:
+        count = size // unit
+        local_units = np.arange(local // unit, local // unit + count)
+        canon_units = np.arange(canonical // unit, canonical // unit + count)
+        if is_source:
+            source[canon_units] = local_units
+        rows.append(local_units)
+        canons.append(canon_units)
+    if (source < 0).any():  # the tiling check makes this unreachable; fail closed anyway
+        raise LayoutError("the elected cells do not cover the canonical block")
+    target_canon = np.concatenate(canons)
+    order = np.argsort(target_canon, kind="stable")  # canonical order: sequential reads
+    target_canon, target_rows = target_canon[order], np.concatenate(rows)[order]
+    dtype, width = next((d, w) for d, w in _WIDE if unit % w == 0)
+    return _UnitPlan(
+        unit=unit,
+        dtype=dtype,
+        width=width,
+        source=torch.from_numpy(source),
+        target_rows=torch.from_numpy(target_rows),
+        target_canon=torch.from_numpy(target_canon),
+        canon_is_identity=bool(np.array_equal(target_canon, np.arange(len(source)))),
+    )
+
+
 class ChunkMap:
-    """Moves chunks between the primary rows and canonical blocks, per stored group array."""
+    """Moves chunks between the primary rows and canonical blocks, per stored group array.
+
+    Each move is one vectorised copy over units of the array's plan (:class:`_UnitPlan`),
+    which releases the GIL: a store gathers the elected cells' units straight into the
+    canonical blocks, a load scatters the blocks' units into every cell."""
 
     def __init__(self, rows: torch.Tensor, groups: Sequence[GroupChunks]) -> None:
-        self._rows = rows  # (num_chunks, row_bytes) uint8 over the shared region
         self.groups = tuple(groups)
-        self._cells = {
-            (g, c.offset): rows[:, c.offset :]
-            for g, group in enumerate(groups)
-            for c in group.cells
-        }
+        self._num_chunks, self._row_bytes = rows.shape
+        self._rows = rows  # (num_chunks, row_bytes) uint8 over the shared region
+        self._plans = [_unit_plan(g, self._row_bytes) for g in self.groups]
 
-    def to_blocks(self, array: int, chunk_ids: Sequence[int]) -> torch.Tensor:
-        """The canonical blocks of ``chunk_ids`` (rows of group array ``array``), as a new
-        ``(len(chunk_ids), block_bytes)`` uint8 tensor."""
-        group = self.groups[array]
-        out = torch.empty((len(chunk_ids), group.block_bytes), dtype=torch.uint8)
-        for cell in group.sources:
-            gather_blocks(cell.mapping, [self._cells[(array, cell.offset)]], chunk_ids, out)
-        return out
+    def _units(self, tensor: torch.Tensor, plan: _UnitPlan) -> torch.Tensor:
+        """A dense uint8 tensor as ``(bytes / unit, unit / width)`` elements of ``plan.dtype``."""
+        return tensor.view(plan.dtype).reshape(-1, plan.unit // plan.width)
+
+    def to_blocks(self, array: int, chunk_ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
+        """The canonical blocks of ``chunk_ids`` (rows of group array ``array``), gathered
+        into ``out`` (a dense uint8 buffer of at least ``len(chunk_ids) * block_bytes``
+        bytes, reused across jobs: fresh memory costs a page fault per 4 KiB); returns the
+        ``(len(chunk_ids), block_bytes)`` view of it."""
+        plan = self._plans[array]
+        ids = torch.as_tensor(list(chunk_ids), dtype=torch.int64)
+        row_units = self._row_bytes // plan.unit
+        index = (ids[:, None] * row_units + plan.source[None, :]).reshape(-1)
+        blocks = out.reshape(-1)[: len(ids) * self.groups[array].block_bytes]
+        torch.index_select(self._units(self._rows, plan), 0, index, out=self._units(blocks, plan))
+        return blocks.view(len(ids), self.groups[array].block_bytes)
 
     def from_blocks(self, array: int, blocks: torch.Tensor, chunk_ids: Sequence[int]) -> None:
-        """Write canonical ``blocks`` into every rank's cell of rows ``chunk_ids``."""
-        for cell in self.groups[array].cells:
-            scatter_blocks(cell.mapping, blocks, [self._cells[(array, cell.offset)]], chunk_ids)
+        """Write canonical ``blocks`` (dense ``(n, block_bytes)`` uint8) into every rank's
+        cell of rows ``chunk_ids``."""
+        plan = self._plans[array]
+        ids = torch.as_tensor(list(chunk_ids), dtype=torch.int64)
+        row_units = self._row_bytes // plan.unit
+        block_units = self.groups[array].block_bytes // plan.unit
+        dst = (ids[:, None] * row_units + plan.target_rows[None, :]).reshape(-1)
+        src = self._units(blocks.contiguous(), plan)
+        if not plan.canon_is_identity:
+            pick = torch.arange(len(ids))[:, None] * block_units + plan.target_canon[None, :]
+            src = src.index_select(0, pick.reshape(-1))
+        self._units(self._rows, plan).index_copy_(0, dst, src)
 
     def release(self) -> None:
         """Drop every view of the shared region (vLLM unmaps it after the tiers shut down)."""
-        self._cells.clear()
-        self._rows = torch.empty(0, dtype=torch.uint8)
+        self._rows = torch.empty((0, self._row_bytes), dtype=torch.uint8)
 
 
 def rows_of(primary_kv_view: memoryview) -> torch.Tensor:
@@ -176,6 +250,8 @@ def _group_chunks(  # noqa: PLR0913 - one group's geometry inputs, each from a d
                 f"({len(mapping.local_layers)} layers x {mapping.page_bytes}-byte pages), the "
                 f"CPU tier's cells hold {width}"
             )
+    if form.packing != "packed" or any(r.local_region for m in mappings for r in m.runs):
+        raise LayoutError("expected packed cells with one local region")  # runs are row offsets
     cells = tuple(_Cell(m, off) for m, off in zip(mappings, offsets, strict=True))
     return GroupChunks(
         block_bytes=geometry.canonical_block_bytes,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 from itertools import islice
@@ -127,6 +128,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         self._jobs_keys: dict[int, tuple[list[bytes], bool]] = {}  # job id -> (keys, is_load)
         self._probe = StoreProbe(self.namespace, self.key_map, tier_type)
         self._runner = JobRunner(self.options.load_threads, self.options.store_threads)
+        self._staging = threading.local()  # per job thread: a reused block buffer
         log.info(
             "kvstore tier: namespace %s in %s (durability=%s, %d KV groups)",
             self.namespace.name,
@@ -228,7 +230,9 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             ok.update(keys[i] for i, h in items if keys[i] in self._present)
             if not todo:
                 continue
-            blocks = self.chunks.to_blocks(array, [chunk_ids[i] for i, _ in todo])
+            blocks = self.chunks.to_blocks(
+                array, [chunk_ids[i] for i, _ in todo], self._buffer(len(todo), array)
+            )
             writes = [BlockWrite(h, blocks[j].numpy(), parents[i]) for j, (i, h) in enumerate(todo)]
             results = self.namespace.group(array).write_blocks(writes)
             for (i, _), result in zip(todo, results, strict=True):
@@ -243,7 +247,8 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         nbytes = 0
         for array, items in _by_array(self.key_map, keys).items():
             block_bytes = self.chunks.groups[array].block_bytes
-            blocks = torch.empty((len(items), block_bytes), dtype=torch.uint8)
+            blocks = self._buffer(len(items), array).view(-1)[: len(items) * block_bytes]
+            blocks = blocks.view(len(items), block_bytes)
             reads = [BlockRead(h, blocks[j].numpy()) for j, (_, h) in enumerate(items)]
             results = self.namespace.group(array).read_blocks(reads)
             hits = [j for j, r in enumerate(results) if r.ok]
@@ -254,6 +259,15 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             ok.update(keys[items[j][0]] for j in hits)
             nbytes += len(hits) * block_bytes
         return Outcome(frozenset(ok), nbytes)
+
+    def _buffer(self, count: int, array: int) -> torch.Tensor:
+        """This job thread's staging buffer for ``count`` blocks of ``array`` (grown, kept)."""
+        need = count * self.chunks.groups[array].block_bytes
+        buffer: torch.Tensor | None = getattr(self._staging, "buffer", None)
+        if buffer is None or buffer.numel() < need:
+            buffer = torch.empty(need, dtype=torch.uint8)
+            self._staging.buffer = buffer
+        return buffer
 
     # -- bookkeeping ---------------------------------------------------------------------------
 

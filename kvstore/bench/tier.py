@@ -203,7 +203,7 @@ def _lookups(base: Path, system: str, size: int) -> dict[str, Any]:
         for first in range(0, size, 4096):
             _store(manager, keys[first : first + 4096], [block])
     rng = np.random.default_rng(0)
-    present = [keys[i] for i in rng.choice(size, LOOKUP_KEYS, replace=False)]
+    present = [keys[i] for i in rng.choice(size, min(size, LOOKUP_KEYS), replace=False)]
     absent = _keys(LOOKUP_KEYS, 3)
     resolved = {LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS}
     with _tiering("bench-lookup", 1, 1, 64, root, system, 2 * LOOKUP_KEYS) as manager:
