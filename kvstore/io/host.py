@@ -254,6 +254,38 @@ class HostEngine:
         ``direct``: open with O_DIRECT (every segment must then be 4 KiB aligned in offset,
         length and address).
         """
+        return self._read(
+            path, segments, file_nbytes, touch_if_older_than_ns, allow_trailer, direct
+        )
+
+    def read_file_checked(  # noqa: PLR0913 - read_file's arguments plus the callback
+        self,
+        path: str,
+        segments: Sequence[Segment],
+        file_nbytes: int,
+        touch_if_older_than_ns: int,
+        after_each: Callable[[int], None],
+        *,
+        direct: bool = False,
+    ) -> FileId:
+        """:meth:`read_file` of host segments, each read on its own in the order given, with
+        ``after_each(i)`` run once segment ``i`` is in memory: a reader verifies a piece of a
+        large block while it is still in the CPU cache. What ``after_each`` raises ends the
+        read (a :class:`CorruptBlockError` then carries the file's identity)."""
+        return self._read(
+            path, segments, file_nbytes, touch_if_older_than_ns, False, direct, after_each
+        )
+
+    def _read(  # noqa: PLR0913 - read_file and read_file_checked, one implementation
+        self,
+        path: str,
+        segments: Sequence[Segment],
+        file_nbytes: int,
+        touch_if_older_than_ns: int,
+        allow_trailer: bool,
+        direct: bool,
+        after_each: Callable[[int], None] | None = None,
+    ) -> FileId:
         try:
             fd, st = self.fio.open_regular(path, os.O_RDONLY | (O_DIRECT if direct else 0))
         except FileNotFoundError:
@@ -264,13 +296,20 @@ class HostEngine:
                     raise CorruptBlockError(
                         f"file size: expected {file_nbytes} bytes, got {st.st_size}"
                     )
-                for offset, buffers in _coalesce(segments):
+                runs = (
+                    _coalesce(segments)
+                    if after_each is None
+                    else [(offset, [data]) for offset, data in segments]
+                )
+                for i, (offset, buffers) in enumerate(runs):
                     want = sum(len(b) for b in buffers)
                     got = read_fully(self.fio, fd, buffers, offset)
                     if got != want:
                         raise CorruptBlockError(
                             f"short read at {offset}: expected {want}, got {got}"
                         )
+                    if after_each is not None:
+                        after_each(i)
                 if st.st_mtime_ns < touch_if_older_than_ns:
                     # A read-only mount or foreign owner: last-use tracking is best effort.
                     with contextlib.suppress(OSError):

@@ -182,8 +182,25 @@ def verify_chunks(
         wanted = slots[chunks.start : chunks.stop]
     else:
         wanted = slots[np.asarray(chunks, dtype=np.intp)]
-    bad = np.flatnonzero(sums != wanted)
-    if len(bad):
+    _compare(sums, wanted, chunks)
+
+
+def verify_run(
+    algo: int, slots: np.ndarray, first: int, data: memoryview, chunk_nbytes: int
+) -> None:
+    """Check the consecutive inner chunks from ``first`` that fill host memory ``data``
+    (``len(data) // chunk_nbytes`` of them, back to back) against the checksum slots
+    ``slots`` (:func:`fmt.decode_checksums`; the caller checked the header and ``algo`` with
+    :func:`header_algo`): :func:`verify_chunks` for one piece of a block, while that piece is
+    in the CPU cache."""
+    count = len(data) // chunk_nbytes
+    sums = chunk_sums(algo, data, chunk_nbytes, count)
+    _compare(sums, slots[first : first + count], range(first, first + count))
+
+
+def _compare(sums: np.ndarray, wanted: np.ndarray, chunks: Sequence[int]) -> None:
+    if (sums != wanted).any():
+        bad = np.flatnonzero(sums != wanted)
         raise CorruptBlockError(f"checksum mismatch in inner chunk {chunks[int(bad[0])]}")
 
 

@@ -31,6 +31,8 @@ from kvstore.errors import BlockMissingError, CorruptBlockError, EntryKindError,
 from kvstore.io.buffers import ThreadStaging, is_aligned
 from kvstore.io.engine import AnySegment, Data
 from kvstore.io.entries import FileId, move_if_same, remove_if_same
+from kvstore.io.host import HostEngine
+from kvstore.io.types import Segment
 from kvstore.keys import check_hash, hash_coords
 from kvstore.store import check
 from kvstore.store import format as fmt
@@ -41,6 +43,11 @@ from kvstore.store.segments import byte_view, chunk_segments, host_segments, nby
 from kvstore.store.types import BlockRead, ReadResult, ReadStatus
 
 log = logging.getLogger("kvstore")
+
+# Bytes read and checksummed at a time in a large whole-block read: well inside a core's L2
+# (1 MiB on the measured VM), large enough that the extra preadv per piece is noise (~2 µs
+# per 512 KiB). Measured on tmpfs, 32 MiB blocks: verified reads 0.78x -> 0.88x the raw floor.
+_PIECE_NBYTES = 512 << 10
 
 # Engines whose store already logged a device read verified through the host (once per store).
 _HOST_VERIFY_LOGGED: weakref.WeakSet[object] = weakref.WeakSet()
@@ -57,6 +64,11 @@ class Reader:
         # O_DIRECT reads of aligned requests (config direct_reads, where O_DIRECT works).
         self._direct_reads = config.direct_reads and array.engine.direct.enabled
         self._header_staging = ThreadStaging()
+        # Large whole blocks are verified piece by piece as they are read (_read_in_pieces):
+        # needs the host engine's read_file_checked and verification on (the host engine
+        # itself: a device engine has paths of its own for host memory too).
+        engine = array.engine
+        self._pieces = engine if type(engine) is HostEngine and array.verify_reads else None
 
     def read_blocks(self, reads: Sequence[BlockRead]) -> list[ReadResult]:
         """Read and verify blocks into the callers' buffers; failures are misses."""
@@ -125,6 +137,16 @@ class Reader:
         # A per-thread aligned header buffer (reused: no allocation per block; aligned, so the
         # whole read may be O_DIRECT). Every byte of it is read from the file or the read fails.
         header = self._header_staging.get(layout.header_nbytes)[: layout.header_nbytes].data
+        if (
+            self._pieces is not None
+            and whole
+            and isinstance(out, memoryview)
+            and layout.block_nbytes >= 2 * _PIECE_NBYTES
+        ):
+            self._read_in_pieces(self._pieces, path, block_hash, header, out, touch_before)
+            if device_out is not None:
+                device_out[:need].copy_(torch.frombuffer(out, dtype=torch.uint8)[:need])
+            return need
         segments: list[AnySegment] = [(0, header), *chunk_segments(layout, chunks, out)]
         if not whole:  # chunks in the caller's order; whole blocks are in file order already
             segments.sort(key=_offset)
@@ -152,6 +174,53 @@ class Reader:
         if device_out is not None:
             device_out[:need].copy_(torch.frombuffer(out, dtype=torch.uint8)[:need])
         return need
+
+    def _read_in_pieces(  # noqa: PLR0913 - _read_one's state for one whole-block read
+        self,
+        engine: HostEngine,
+        path: str,
+        block_hash: bytes,
+        header: memoryview,
+        out: memoryview,
+        touch_before: int,
+    ) -> None:
+        """A whole block of a large dense array, read and verified piece by piece.
+
+        Verifying a block after reading all of it reads its bytes from memory a second time
+        once the block is larger than the CPU cache (a 256-token block is 16-80 MiB): the
+        checksums then cost as much as the copy. Here the header is read and checked first,
+        then each piece of about :data:`_PIECE_NBYTES` (whole chunks) is checksummed right
+        after its ``preadv``, while it is in the cache. Same checks, same order of failure
+        (a bad header before any chunk), same errors; a corrupt piece ends the read early.
+        """
+        array = self.array
+        layout = array.layout
+        size = layout.chunk_nbytes
+        per = max(1, _PIECE_NBYTES // size)
+        firsts = range(0, layout.num_chunks, per)
+        segments: list[Segment] = [(0, header)]
+        for first in firsts:
+            last = min(layout.num_chunks, first + per)
+            segments.append((layout.chunk_offset(first), out[first * size : last * size]))
+        found: list[tuple[int, np.ndarray]] = []  # the header's algorithm and slots
+
+        def verify(i: int) -> None:
+            if i == 0:
+                algo = check.header_algo(header, array.shard, block_hash)
+                check.chunk_checksum(algo)  # an unknown algorithm id is a corrupt block
+                found.append((algo, fmt.decode_checksums(header, layout.num_chunks)))
+                return
+            algo, slots = found[0]
+            first = firsts[i - 1]
+            data = segments[i][1]
+            check.verify_run(algo, slots, first, data, size)
+
+        direct = self._direct_reads and all(
+            offset % fmt.ALIGN == 0 and is_aligned(data) for offset, data in segments
+        )
+        engine.read_file_checked(
+            path, segments, layout.file_nbytes, touch_before, verify, direct=direct
+        )
 
     def _log_host_verify(self, algo: int) -> None:
         engine = self.array.engine

@@ -7,16 +7,24 @@ and refuse exactly what :func:`check.check_header` and one checksum call per chu
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 import xxhash
 
 from kvstore.checksum import CRC32C, WSUM64, XXH3_64, chunk_sums, crc32c, wsum64
 from kvstore.errors import CorruptBlockError
+from kvstore.io.host import HostEngine
 from kvstore.store import check
 from kvstore.store import format as fmt
+from kvstore.store import read as read_module
 from kvstore.store.check import ShardSpec
 from kvstore.store.format import ShardLayout
+from kvstore.store.group_store import GroupStore
+from kvstore.store.types import BlockRead, BlockWrite, ReadResult, ReadStatus, WriteStatus
+from tests.helpers import StoreFactory, block_bytes, block_hash, make_small_identity
 
 LAYOUT = ShardLayout(num_heads=2, num_layers=3, tokens=16, elems_per_token=128, itemsize=2)
 NAMESPACE = bytes(range(32))
@@ -102,3 +110,90 @@ def test_chunk_sums_is_one_checksum_per_chunk(chunk_nbytes: int, algo: int) -> N
     assert chunk_sums(algo, data.data, chunk_nbytes, 0).tolist() == []
     with pytest.raises(ValueError, match="expected at least"):
         chunk_sums(algo, data[: count * chunk_nbytes].data, chunk_nbytes, count + 1)
+
+
+# -- large whole blocks: read and verified piece by piece (store/read.py _read_in_pieces) -----
+
+
+@pytest.fixture
+def pieced(monkeypatch: pytest.MonkeyPatch, make_store: StoreFactory) -> GroupStore:
+    """A store whose (tiny, 6-chunk) blocks take the piece-by-piece read: 2 chunks a piece."""
+    monkeypatch.setattr(read_module, "_PIECE_NBYTES", 2 * 4096)
+    group = make_store().namespace(make_small_identity()).group(0)
+    assert group.layout.chunk_nbytes == 4096 and group.layout.num_chunks == 6
+    return group
+
+
+def write_one(group: GroupStore, i: int) -> tuple[bytes, np.ndarray]:
+    h = block_hash(i, "pieces")
+    data = block_bytes(group.layout, i)
+    assert group.write_blocks([BlockWrite(h, data)])[0].status is WriteStatus.WRITTEN
+    return h, data
+
+
+def read_whole(group: GroupStore, h: bytes) -> tuple[ReadResult, np.ndarray]:
+    out = np.zeros(group.layout.block_nbytes, dtype=np.uint8)
+    (result,) = group.read_blocks([BlockRead(h, out)])
+    return result, out
+
+
+def test_pieced_read_serves_the_block(pieced: GroupStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    original = HostEngine.read_file_checked
+
+    def spy(self: HostEngine, path: str, segments: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(segments))
+        return original(self, path, segments, *args, **kwargs)
+
+    monkeypatch.setattr(HostEngine, "read_file_checked", spy)
+    h, data = write_one(pieced, 1)
+    result, out = read_whole(pieced, h)
+    assert result.ok and out.tobytes() == data.tobytes()
+    assert calls == [1 + 3]  # the header, then three pieces of two chunks
+
+
+@pytest.mark.parametrize("chunk", [0, 3, 5])
+def test_pieced_read_finds_a_corrupt_chunk_in_any_piece(pieced: GroupStore, chunk: int) -> None:
+    h, _ = write_one(pieced, 2)
+    path = Path(pieced.path_of(h))
+    raw = bytearray(path.read_bytes())
+    raw[pieced.layout.chunk_offset(chunk) + 100] ^= 0x10
+    path.write_bytes(raw)
+    result, _ = read_whole(pieced, h)
+    assert result.status is ReadStatus.CORRUPT
+    assert result.error == f"checksum mismatch in inner chunk {chunk}"
+    assert not path.exists()  # quarantined: the file read, named by its identity
+    assert read_whole(pieced, h)[0].status is ReadStatus.MISS
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ("header", "header checksum mismatch"),
+        ("short", "file size"),
+        ("mis-keyed", "mis-keyed block"),
+        ("algo", "checksum algorithm id"),
+    ],
+)
+def test_pieced_read_refuses_a_bad_file_as_before(
+    pieced: GroupStore, damage: str, reason: str
+) -> None:
+    h, _ = write_one(pieced, 3)
+    path = Path(pieced.path_of(h))
+    raw = bytearray(path.read_bytes())
+    if damage == "header":
+        raw[60] ^= 0x01
+    elif damage == "short":
+        raw = raw[:-1]
+    elif damage == "mis-keyed":
+        other, _ = write_one(pieced, 4)
+        raw = bytearray(Path(pieced.path_of(other)).read_bytes())
+    else:  # a well-formed header naming an algorithm that does not exist
+        raw[fmt.ALGO_OFFSET] = 99
+        raw[fmt.CRC_OFFSET : fmt.CRC_OFFSET + 4] = crc32c(bytes(raw[: fmt.CRC_OFFSET])).to_bytes(
+            4, "little"
+        )
+    path.write_bytes(raw)
+    result, _ = read_whole(pieced, h)
+    assert result.status is ReadStatus.CORRUPT
+    assert reason in result.error, result.error
