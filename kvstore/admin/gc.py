@@ -87,7 +87,7 @@ from kvstore.admin.trash import (
     trash_block,
 )
 from kvstore.admin.verify import DEFAULT_TMP_AGE_S
-from kvstore.errors import KvstoreError
+from kvstore.errors import ConfigError, KvstoreError
 from kvstore.io.entries import describe_kind
 from kvstore.store.paths import TRASH
 from kvstore.store.view import StoreView
@@ -435,6 +435,18 @@ def watch(  # noqa: PLR0913 - root, policy and the watch loop's keyword-only con
     return 0
 
 
+def _outside_store(metrics_path: Path, root: Path) -> None:
+    """Refuse a metrics file inside the store: it would be a foreign entry there (counted
+    against the budget, quarantined by ``verify --fix``)."""
+    directory = metrics_path.parent.resolve()
+    store = root.resolve()
+    if directory == store or store in directory.parents:
+        raise ConfigError(
+            f"--metrics {str(metrics_path)!r}: expected a file outside the store, "
+            f"got one inside {str(root)!r}"
+        )
+
+
 def run(  # noqa: PLR0913 - root, policy and the output options of the command line, keyword-only
     root: Path,
     policy: Policy,
@@ -454,6 +466,7 @@ def run(  # noqa: PLR0913 - root, policy and the output options of the command l
         raise ValueError("gc: expected --max-bytes or --max-age (or both), got neither")
     textfile = Textfile(metrics_path) if metrics_path is not None else None
     if textfile is not None:
+        _outside_store(textfile.path, root)
         textfile.check()
     metrics = GcMetrics(interval_s=watch_interval_s)
     if watch_interval_s is None:

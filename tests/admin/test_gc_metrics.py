@@ -248,6 +248,20 @@ def test_bad_metrics_path_exits_2_before_the_first_pass(
     assert os.listdir(textdir) == [] or case == "is-dir"
 
 
+@pytest.mark.parametrize("where", ["root", "namespace"])
+def test_metrics_file_inside_the_store_is_refused(
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    """Inside the store the file would be a foreign entry (counted, quarantined by verify)."""
+    ident = make_small_identity()
+    make_store().namespace(ident)
+    target = (root if where == "root" else root / ident.namespace) / "gc.prom"
+    before = snapshot(root)
+    rc, _out, err = cli(capsys, "gc", root, "--max-bytes", "1G", "--metrics", target)
+    assert rc == 2 and "expected a file outside the store" in err and str(target) in err
+    assert snapshot(root) == before
+
+
 def test_empty_metrics_path_is_a_usage_error(
     root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
