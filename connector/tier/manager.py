@@ -37,7 +37,6 @@ import logging
 import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
-from itertools import islice
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -69,6 +68,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 log = logging.getLogger("kvstore.connector")
+
+# Blocks per store / read call inside one job: bounds each job thread's staging buffer (vLLM
+# batches a whole request's promotions into one job) and keeps the store's I/O threads fed.
+JOB_BATCH = 32
 
 
 class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
@@ -117,10 +120,15 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             blocks_per_chunk=int(offloading_spec.blocks_per_chunk),
         )
         self.chunks = build_chunk_map(rows_of(primary_kv_view), self.identity, facts, self.geometry)
-        self.store = connector.spec.open_store(self.options.store)  # one place tests inject faults
+        try:
+            self.store = connector.spec.open_store(self.options.store)  # tests inject faults
+        except BaseException:
+            self.chunks.release()  # vLLM releases the CPU tier's view after a failed start
+            raise
         try:
             self.namespace = self.store.namespace(self.identity)
         except BaseException:
+            self.chunks.release()
             self.store.close()
             raise
         self.tokens_per_block = self.identity.tokens_per_block
@@ -226,19 +234,19 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         ok: set[bytes] = set()
         nbytes = 0
         for array, items in _by_array(self.key_map, keys).items():
+            ok.update(keys[i] for i, _ in items if keys[i] in self._present)
             todo = [(i, h) for i, h in items if keys[i] not in self._present]
-            ok.update(keys[i] for i, h in items if keys[i] in self._present)
-            if not todo:
-                continue
-            blocks = self.chunks.to_blocks(
-                array, [chunk_ids[i] for i, _ in todo], self._buffer(len(todo), array)
-            )
-            writes = [BlockWrite(h, blocks[j].numpy(), parents[i]) for j, (i, h) in enumerate(todo)]
-            results = self.namespace.group(array).write_blocks(writes)
-            for (i, _), result in zip(todo, results, strict=True):
-                if result.status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
-                    ok.add(keys[i])
-                    nbytes += blocks.shape[1]
+            for batch in _batches(todo):
+                ids = [chunk_ids[i] for i, _ in batch]
+                blocks = self.chunks.to_blocks(array, ids, self._buffer(len(batch), array))
+                writes = [
+                    BlockWrite(h, blocks[j].numpy(), parents[i]) for j, (i, h) in enumerate(batch)
+                ]
+                results = self.namespace.group(array).write_blocks(writes)
+                for (i, _), result in zip(batch, results, strict=True):
+                    if result.status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
+                        ok.add(keys[i])
+                        nbytes += blocks.shape[1]
         return Outcome(frozenset(ok), nbytes)
 
     def _load_blocks(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> Outcome:
@@ -247,17 +255,20 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         nbytes = 0
         for array, items in _by_array(self.key_map, keys).items():
             block_bytes = self.chunks.groups[array].block_bytes
-            blocks = self._buffer(len(items), array).view(-1)[: len(items) * block_bytes]
-            blocks = blocks.view(len(items), block_bytes)
-            reads = [BlockRead(h, blocks[j].numpy()) for j, (_, h) in enumerate(items)]
-            results = self.namespace.group(array).read_blocks(reads)
-            hits = [j for j, r in enumerate(results) if r.ok]
-            if not hits:
-                continue
-            rows = [chunk_ids[items[j][0]] for j in hits]
-            self.chunks.from_blocks(array, blocks[hits] if len(hits) < len(items) else blocks, rows)
-            ok.update(keys[items[j][0]] for j in hits)
-            nbytes += len(hits) * block_bytes
+            for batch in _batches(items):
+                blocks = self._buffer(len(batch), array)[: len(batch) * block_bytes]
+                blocks = blocks.view(len(batch), block_bytes)
+                reads = [BlockRead(h, blocks[j].numpy()) for j, (_, h) in enumerate(batch)]
+                results = self.namespace.group(array).read_blocks(reads)
+                hits = [j for j, r in enumerate(results) if r.ok]
+                if not hits:
+                    continue
+                rows = [chunk_ids[batch[j][0]] for j in hits]
+                self.chunks.from_blocks(
+                    array, blocks[hits] if len(hits) < len(batch) else blocks, rows
+                )
+                ok.update(keys[batch[j][0]] for j in hits)
+                nbytes += len(hits) * block_bytes
         return Outcome(frozenset(ok), nbytes)
 
     def _buffer(self, count: int, array: int) -> torch.Tensor:
@@ -280,7 +291,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
     def _parents(self, keys: Sequence[bytes], req_context: ReqContext) -> list[bytes | None]:
         """Block hash of the key ending one block earlier in the request (header field)."""
         positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
-        by_end = {(bytes(k[-4:]), pos): bytes(k) for k, pos in islice(positions.items(), None)}
+        by_end = {(bytes(k[-4:]), pos): bytes(k) for k, pos in positions.items()}
         out: list[bytes | None] = []
         for k in keys:
             end = req_context.get_offload_key_position(OffloadKey(k))
@@ -290,6 +301,11 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             where = None if parent is None else split_key(self.key_map, parent)
             out.append(None if where is None else where[1])
         return out
+
+
+def _batches(items: Sequence[tuple[int, bytes]]) -> list[Sequence[tuple[int, bytes]]]:
+    """A job's blocks in batches of at most :data:`JOB_BATCH` (bounded staging memory)."""
+    return [items[i : i + JOB_BATCH] for i in range(0, len(items), JOB_BATCH)]
 
 
 def _by_array(key_map: Any, keys: Sequence[bytes]) -> dict[int, list[tuple[int, bytes]]]:
