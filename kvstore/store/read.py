@@ -140,6 +140,7 @@ class Reader:
         if (
             self._pieces is not None
             and whole
+            and layout.dense  # chunks back to back in the file as in memory
             and isinstance(out, memoryview)
             and layout.block_nbytes >= 2 * _PIECE_NBYTES
         ):

@@ -24,7 +24,14 @@ from kvstore.store.check import ShardSpec
 from kvstore.store.format import ShardLayout
 from kvstore.store.group_store import GroupStore
 from kvstore.store.types import BlockRead, BlockWrite, ReadResult, ReadStatus, WriteStatus
-from tests.helpers import StoreFactory, block_bytes, block_hash, make_small_identity
+from tests.helpers import (
+    StoreFactory,
+    block_bytes,
+    block_hash,
+    make_mla_identity,
+    make_odd_identity,
+    make_small_identity,
+)
 
 LAYOUT = ShardLayout(num_heads=2, num_layers=3, tokens=16, elems_per_token=128, itemsize=2)
 NAMESPACE = bytes(range(32))
@@ -197,3 +204,18 @@ def test_pieced_read_refuses_a_bad_file_as_before(
     result, _ = read_whole(pieced, h)
     assert result.status is ReadStatus.CORRUPT
     assert reason in result.error, result.error
+
+
+@pytest.mark.parametrize("make_identity", [make_odd_identity, make_mla_identity])
+def test_padded_layouts_read_whole_blocks_right_with_pieces_on(
+    monkeypatch: pytest.MonkeyPatch, make_store: StoreFactory, make_identity: Any
+) -> None:
+    """Layouts with stride padding between chunks (chunk size not a 4 KiB multiple) are read
+    right when their blocks are large enough for the piece path (which needs dense chunks)."""
+    monkeypatch.setattr(read_module, "_PIECE_NBYTES", 4096)
+    group = make_store().namespace(make_identity()).group(0)
+    assert not group.layout.dense and group.layout.block_nbytes >= 2 * 4096
+    h, data = write_one(group, 5)
+    result, out = read_whole(group, h)
+    assert result.ok, result.error
+    assert out.tobytes() == data.tobytes()
