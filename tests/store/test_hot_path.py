@@ -212,9 +212,10 @@ def test_padded_layouts_read_whole_blocks_right_with_pieces_on(
 ) -> None:
     """Layouts with stride padding between chunks (chunk size not a 4 KiB multiple) are read
     right when their blocks are large enough for the piece path (which needs dense chunks)."""
-    monkeypatch.setattr(read_module, "_PIECE_NBYTES", 4096)
     group = make_store().namespace(make_identity()).group(0)
-    assert not group.layout.dense and group.layout.block_nbytes >= 2 * 4096
+    piece = 2 * group.layout.chunk_nbytes  # two chunks a piece: a piece spans stride padding
+    monkeypatch.setattr(read_module, "_PIECE_NBYTES", piece)
+    assert not group.layout.dense and group.layout.block_nbytes >= 2 * piece
     h, data = write_one(group, 5)
     result, out = read_whole(group, h)
     assert result.ok, result.error
