@@ -20,6 +20,13 @@ Suites (``--suite NAME[,NAME]``; all by default), one module each:
 The report (machine, targets, the markdown page) is :mod:`kvstore.bench.report`; the systems
 the throughput suite compares are :mod:`kvstore.bench.systems`.
 
+``--tmpfs`` is the fast-storage run (issue 17): throughput and overhead on tmpfs
+(``/dev/shm``, a stand-in for storage faster than the code), kvstore against the raw floor for
+every model of ``models.json`` at 16- and 256-token blocks, with the ratios measured at the
+commit before the fast-path work printed next to this run's
+(:data:`kvstore.bench.throughput.TMPFS_BASELINE`). Any other ``--root`` on any file system
+works the same way; ``--tmpfs`` only picks the defaults.
+
 The default run takes about two minutes on a 2-core VM (small data); ``--full`` runs the
 figures of docs/performance.md (>= 4 GiB per throughput configuration, two models, a store of
 a million blocks). Absolute figures on shared VMs drift by 20-30 % minutes apart, so every
@@ -49,6 +56,8 @@ from kvstore.bench import (
 from kvstore.bench.common import DATA_NOTE
 from kvstore.bench.report import legacy_keys, machine, markdown_report, targets
 from kvstore.bench.systems import SYSTEMS
+from kvstore.io.fileio import filesystem_type
+from kvstore.models import model_names
 
 SUITES = ("throughput", "lookup", "layouts", "scaling", "compression", "overhead", "tier")
 # The default run: the store against the raw floor, lookup and per-block overhead, in about a
@@ -114,7 +123,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--durability", choices=["full", "none"], default="full")
     parser.add_argument("--repeat", type=int, default=None)
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="throughput systems")
+    parser.add_argument(
+        "--systems", default=None, help=f"throughput systems (default: {','.join(SYSTEMS)})"
+    )
+    parser.add_argument(
+        "--tmpfs",
+        action="store_true",
+        help=(
+            "fast-storage run: throughput and overhead under /dev/shm, every model at 16 and "
+            "256 tokens, kvstore vs raw; prints the ratios next to the old ones"
+        ),
+    )
     parser.add_argument("--store-blocks", type=int, default=None, help="lookup store size")
     parser.add_argument("--store-sizes", default=None, help="scaling store-size checkpoints")
     parser.add_argument("--scaling-threads", default=None)
@@ -141,6 +160,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="run nothing: write --markdown (and plots) from a report saved with --save-json",
     )
     args = parser.parse_args(argv)
+    if args.tmpfs:
+        _tmpfs_defaults(args)
+    if args.systems is None:
+        args.systems = ",".join(SYSTEMS)
     for name, (small, full) in PRESETS.items():
         if getattr(args, name) is None:
             setattr(args, name, full if args.full else small)
@@ -154,6 +177,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+# The fast-storage run's scratch directory (tmpfs on Linux).
+TMPFS_ROOT = Path("/dev/shm/kvstore-bench")  # noqa: S108 - tmpfs on purpose: I/O at memory speed
+
+
+def _tmpfs_defaults(args: argparse.Namespace) -> None:
+    """``--tmpfs``: the fast-storage run's defaults for every option not given."""
+    if args.root is None:
+        args.root = TMPFS_ROOT
+    if args.suite is None:
+        args.suite = "throughput,overhead"
+    if args.models is None:
+        args.models = ",".join(model_names())
+    if args.block_tokens is None:
+        args.block_tokens = "16,256"
+    if args.systems is None:
+        args.systems = "kvstore,raw"
+    if args.repeat is None:
+        args.repeat = 3
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render is not None:
@@ -163,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     base = (args.root or Path("bench-scratch")).absolute()
     base.mkdir(parents=True, exist_ok=True)
+    if args.tmpfs and filesystem_type(base) != "tmpfs":
+        print(f"note: {base} is on {filesystem_type(base) or 'an unknown file system'}, not tmpfs")
     report: dict[str, Any] = {
         "command": _command(argv),
         "machine": machine(base),
@@ -180,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(TABLES[name](report["suites"][name]), flush=True)
     finally:
         lookup.close_all()
-        if args.root is None:
+        if args.root is None or (args.tmpfs and args.root == TMPFS_ROOT):
             shutil.rmtree(base, ignore_errors=True)
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["targets"] = targets(report)
@@ -195,6 +240,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in report["targets"]:
             print(f"  {row['what']:<36} {row['target']:>6}  got {row['got']:<22} {row['verdict']}")
         print(f"total {report['seconds']} s")
+        if args.tmpfs and "throughput" in report["suites"]:
+            print("== fast storage: kvstore / raw floor, this run next to the baseline")
+            print("\n".join(throughput.versus_baseline(report["suites"]["throughput"])))
+        if args.tmpfs and "overhead" in report["suites"]:
+            print(overhead.versus_baseline(report["suites"]["overhead"]))
     return 0
 
 

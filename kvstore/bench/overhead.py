@@ -49,6 +49,26 @@ def run(blocks: int) -> dict[str, Any]:
     }
 
 
+# (store, raw) µs per block at e141e29 (before issue 17's fast path), from the second of the
+# runs that measured kvstore.bench.throughput.TMPFS_BASELINE (the first: write 108.7 / 18.2,
+# read 54.2 / 8.5).
+BASELINE_COMMIT = "e141e29"
+BASELINE_US: dict[str, tuple[float, float]] = {"write": (60.4, 10.7), "read": (40.0, 6.4)}
+
+
+def versus_baseline(result: dict[str, Any]) -> str:
+    """Store time per block as a multiple of raw, this run next to :data:`BASELINE_US`."""
+    parts = []
+    for phase in ("write", "read"):
+        now = result[f"{phase}_us_per_block"]
+        text = f"{phase} {now['store'] / now['raw']:.1f}x raw ({now['store']} / {now['raw']} µs)"
+        if phase in BASELINE_US:
+            store, raw = BASELINE_US[phase]
+            text += f", {BASELINE_COMMIT}: {store / raw:.1f}x ({store} / {raw} µs)"
+        parts.append(text)
+    return "per-block time, store / raw: " + "; ".join(parts)
+
+
 def table(result: dict[str, Any]) -> str:
     w, r = result["write_us_per_block"], result["read_us_per_block"]
     return (

@@ -161,6 +161,57 @@ def run(  # noqa: PLR0913 - one parameter per scripts/bench.py option of the sui
     return {"configs": configs, "skipped": skipped}
 
 
+# -- the fast-storage baseline (scripts/bench.py --tmpfs) -------------------------------------
+
+# kvstore / raw floor on tmpfs at e141e29, the commit before the fast-path work of issue 17
+# (read path, write path, piecewise verification): write, cold read, hot read per
+# (model, block tokens). Mean of two runs of ``python scripts/bench.py --suite
+# throughput,overhead --root /dev/shm/... --gib 0.25 --repeat 3 --models <all> --block-tokens
+# 16,256 --systems kvstore,raw`` in a worktree of e141e29 on the 2-core development VM
+# (2026-12-01, shared with other jobs: single ratios drift +-0.1).
+TMPFS_BASELINE_COMMIT = "e141e29"
+TMPFS_BASELINE: dict[tuple[str, int], tuple[float, float, float]] = {
+    ("llama-3.1-8b", 16): (0.57, 0.56, 0.51),
+    ("llama-3.1-8b", 256): (0.52, 0.72, 0.62),
+    ("llama-3.1-70b", 16): (0.60, 0.47, 0.50),
+    ("llama-3.1-70b", 256): (0.62, 0.79, 0.71),
+    ("qwen2.5-7b", 16): (0.48, 0.54, 0.49),
+    ("qwen2.5-7b", 256): (0.59, 0.74, 0.87),
+    ("qwen3-32b", 16): (0.58, 0.60, 0.57),
+    ("qwen3-32b", 256): (0.60, 0.82, 0.85),
+    ("gpt-oss-20b", 16): (0.44, 0.45, 0.44),
+    ("gpt-oss-20b", 256): (0.67, 0.70, 0.73),
+    ("gemma-3-1b", 16): (0.54, 0.55, 0.50),
+    ("gemma-3-1b", 256): (0.73, 0.65, 0.75),
+    ("deepseek-v3", 16): (0.33, 0.38, 0.35),
+    ("deepseek-v3", 256): (0.69, 0.76, 0.66),
+}
+
+
+def versus_baseline(result: dict[str, Any]) -> list[str]:
+    """kvstore / raw of this run next to :data:`TMPFS_BASELINE`, as a markdown table."""
+    lines = [
+        f"| model | block tokens | block MiB | write / raw ({TMPFS_BASELINE_COMMIT} -> now) | "
+        "cold read / raw | hot read / raw |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cfg in result["configs"]:
+        ratio = cfg["ratios"].get("kvstore", {}).get("raw")
+        if ratio is None:
+            continue
+        old = TMPFS_BASELINE.get((cfg["model"], cfg["block_tokens"]))
+        cells = [
+            f"{old[k]:.2f} -> **{ratio[phase]:.2f}**" if old else f"- -> **{ratio[phase]:.2f}**"
+            for k, phase in enumerate(PHASES)
+        ]
+        lines.append(
+            f"| {cfg['model']} | {cfg['block_tokens']} | {cfg['block_bytes'] / 2**20:.2f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
+
+
 # -- output ----------------------------------------------------------------------------------
 
 

@@ -1,0 +1,60 @@
+"""scripts/bench.py --tmpfs: the fast-storage run's defaults and its old-vs-new ratio table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvstore.bench import TMPFS_ROOT, overhead, parse_args, throughput
+from kvstore.models import model_names
+
+
+def test_tmpfs_picks_the_fast_storage_defaults() -> None:
+    args = parse_args(["--tmpfs"])
+    assert args.root == TMPFS_ROOT
+    assert args.suites == ["throughput", "overhead"]
+    assert args.models.split(",") == model_names() and len(model_names()) >= 7
+    assert args.block_tokens == "16,256"
+    assert args.systems == "kvstore,raw"
+
+
+def test_explicit_options_override_tmpfs_defaults(tmp_path: Path) -> None:
+    args = parse_args(["--tmpfs", "--root", str(tmp_path), "--models", "gemma-3-1b"])
+    assert args.root == tmp_path and args.models == "gemma-3-1b"
+    assert parse_args([]).systems.split(",")[0] == "kvstore"  # without --tmpfs: every system
+
+
+def config(model: str, tokens: int, write: float, cold: float, hot: float) -> dict[str, object]:
+    ratio = {"write": write, "cold": cold, "hot": hot}
+    return {
+        "model": model,
+        "block_tokens": tokens,
+        "block_bytes": 2 << 20,
+        "ratios": {"kvstore": {"raw": ratio}},
+    }
+
+
+def test_versus_baseline_puts_old_and_new_ratios_side_by_side() -> None:
+    old = throughput.TMPFS_BASELINE[("llama-3.1-8b", 16)]
+    result = {"configs": [config("llama-3.1-8b", 16, 0.91, 0.92, 0.93), config("x", 16, 1, 1, 1)]}
+    lines = throughput.versus_baseline(result)
+    assert len(lines) == 4
+    assert lines[2] == (
+        f"| llama-3.1-8b | 16 | 2.00 | {old[0]:.2f} -> **0.91** | {old[1]:.2f} -> **0.92** | "
+        f"{old[2]:.2f} -> **0.93** |"
+    )
+    assert lines[3].startswith("| x | 16 | 2.00 | - -> **1.00** |")  # no baseline: a dash
+
+
+def test_every_model_has_a_baseline_at_both_block_sizes() -> None:
+    assert {(m, t) for m in model_names() for t in (16, 256)} <= set(throughput.TMPFS_BASELINE)
+
+
+def test_overhead_versus_baseline() -> None:
+    result = {
+        "write_us_per_block": {"store": 30.0, "raw": 10.0, "overhead": 20.0},
+        "read_us_per_block": {"store": 14.0, "raw": 7.0, "overhead": 7.0},
+    }
+    text = overhead.versus_baseline(result)
+    assert "write 3.0x raw (30.0 / 10.0 µs)" in text
+    assert "read 2.0x raw (14.0 / 7.0 µs)" in text
+    assert f"{overhead.BASELINE_COMMIT}: " in text
