@@ -19,6 +19,7 @@ pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a sep
 
 import connector.spec
 from connector import metrics as m
+from connector.config import ConnectorConfig
 from kvstore import KVStore
 from kvstore.io.fileio import FileIO
 from kvstore.store.paths import TMP_MARK
@@ -67,7 +68,7 @@ def test_stores_past_the_bound_are_dropped_with_the_rest_of_their_batch(
     assert e.value(m.STORE_DROPPED_BLOCKS, m.BACKPRESSURE) == 3
     assert e.value(m.PENDING_STORE_BYTES) == 0  # all published: room again
     name = e.engine.manager.namespace.name
-    with KVStore(connector.spec.ConnectorConfig.from_extra_config({"root": tmp_path}).store) as s:
+    with KVStore(ConnectorConfig.from_extra_config({"root": tmp_path}).store) as s:
         present = s.open_namespace(name).group(0).contains(request.block_hashes)
     assert present == [True, True, False, False, False]  # a prefix: parents first
     e.engine.shutdown()
