@@ -14,7 +14,13 @@ behaviour that is correct on both (docs/vllm.md, "Supported vLLM versions"):
 * ``expedited`` loads and ``sync_load_budget_bytes`` (0.33): synchronous loads inside the step.
   0.32 has neither (:data:`VLLM_HAS_SYNC_LOADS`); the key is refused there when > 0.
 * ``config_info`` / ``config_info_keys`` (0.33, the ``vllm:kv_offload_config_info`` metric):
-  kvstore publishes no labels and inherits vLLM's empty defaults where they exist.
+  kvstore fills its labels (:data:`connector.metrics.CONFIG_INFO_KEYS`); 0.32 never calls
+  either and has no such series, so nothing needs detecting.
+* ``get_stats`` / ``build_metric_definitions`` and ``take_events`` exist in both: the
+  ``vllm:kvstore_*`` series and the KV events are the same on 0.32 and 0.33. The stats payload
+  is filled only with ``increase_counter`` / ``set_gauge`` / ``observe_histogram``, which both
+  offer (0.32's gauges have no ``multiprocess_mode``: with several API servers each keeps its
+  own value).
 """
 
 from __future__ import annotations
