@@ -2,9 +2,9 @@
 
 vLLM calls ``submit_store`` / ``submit_load`` on its scheduler thread and polls
 ``get_finished_jobs`` once per step; neither may block. :class:`JobRunner` runs each job's
-function on a pool of its kind (promotions never wait behind a backlog of writes), and queues
-its outcome for :meth:`JobRunner.finished`. A job function never raises into vLLM: an
-exception is logged once with the job and becomes a failed outcome.
+parts on a pool of its kind (promotions never wait behind a backlog of writes), and queues the
+job's outcome for :meth:`JobRunner.finished` once all parts are done. A part never raises into
+vLLM: an exception is logged once with the job and fails that part's keys.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger("kvstore.connector")
 
@@ -30,15 +30,20 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Finished:
-    """A finished job: its id, its outcome (None: the function raised) and its run time."""
+    """A finished job: its id, its merged outcome and the seconds from submission to end."""
 
     job_id: int
-    outcome: Outcome | None
+    outcome: Outcome
     seconds: float
 
 
 class JobRunner:
-    """Runs load and store job functions on their pools; collects their outcomes."""
+    """Runs the parts of load and store jobs on their pools; collects their merged outcomes.
+
+    A job comes in parts (batches of its blocks) that run concurrently on the job kind's pool,
+    so one large job (vLLM submits a request's promotions as one) keeps every thread busy; the
+    job finishes when its last part does, with the union of the parts' outcomes (a part that
+    raised contributes nothing: its keys failed)."""
 
     def __init__(self, load_threads: int, store_threads: int) -> None:
         self._loads = ThreadPoolExecutor(load_threads, thread_name_prefix="kvstore-tier-load")
@@ -46,24 +51,41 @@ class JobRunner:
         self._done: queue.SimpleQueue[Finished] = queue.SimpleQueue()
         self._in_flight = 0
         self._idle = threading.Condition()
+        self._parts: dict[int, _JobParts] = {}
 
-    def submit(self, job_id: int, is_load: bool, work: Callable[[], Outcome]) -> None:
-        """Run ``work`` on the pool of its kind (non-blocking)."""
+    def submit(self, job_id: int, is_load: bool, parts: Sequence[Callable[[], Outcome]]) -> None:
+        """Run ``parts`` on the pool of their kind (non-blocking); an empty job finishes now."""
         with self._idle:
             self._in_flight += 1
+            self._parts[job_id] = _JobParts(len(parts), time.monotonic())
+        if not parts:
+            self._finish(job_id)
         pool = self._loads if is_load else self._stores
-        pool.submit(self._run, job_id, work)
+        for work in parts:
+            pool.submit(self._run, job_id, work)
 
     def _run(self, job_id: int, work: Callable[[], Outcome]) -> None:
-        start = time.monotonic()
         outcome: Outcome | None
         try:
             outcome = work()
         except Exception:
-            log.exception("kvstore tier: job %d failed", job_id)
+            log.exception("kvstore tier: a part of job %d failed", job_id)
             outcome = None
-        self._done.put(Finished(job_id, outcome, time.monotonic() - start))
         with self._idle:
+            state = self._parts[job_id]
+            state.left -= 1
+            if outcome is not None:
+                state.ok_keys |= outcome.ok_keys
+                state.nbytes += outcome.nbytes
+            last = state.left == 0
+        if last:
+            self._finish(job_id)
+
+    def _finish(self, job_id: int) -> None:
+        with self._idle:
+            state = self._parts.pop(job_id)
+            outcome = Outcome(frozenset(state.ok_keys), state.nbytes)
+            self._done.put(Finished(job_id, outcome, time.monotonic() - state.started))
             self._in_flight -= 1
             self._idle.notify_all()
 
@@ -89,3 +111,13 @@ class JobRunner:
         """Finish the jobs in flight and stop the threads."""
         self._loads.shutdown(wait=True)
         self._stores.shutdown(wait=True)
+
+
+@dataclass
+class _JobParts:
+    """A job's parts still running and what the finished ones achieved."""
+
+    left: int
+    started: float
+    ok_keys: set[bytes] = field(default_factory=set)
+    nbytes: int = 0

@@ -69,8 +69,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.connector")
 
-# Blocks per store / read call inside one job: bounds each job thread's staging buffer (vLLM
-# batches a whole request's promotions into one job) and keeps the store's I/O threads fed.
+# Blocks per part of a job (a store / read call): parts of one job run concurrently on the
+# job threads (vLLM batches a whole request's promotions into one job), and each bounds its
+# thread's staging buffer.
 JOB_BATCH = 32
 
 
@@ -175,21 +176,26 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         chunk_ids = [int(c) for c in job_metadata.chunk_ids]
         parents = self._parents(keys, job_metadata.req_context)
         self._jobs_keys[job_metadata.job_id] = (keys, False)
-        work = functools.partial(self._store_blocks, keys, chunk_ids, parents)
-        self._runner.submit(job_metadata.job_id, False, work)
+        parts = [
+            functools.partial(self._store_blocks, keys[b], chunk_ids[b], parents[b])
+            for b in _slices(len(keys))
+        ]
+        self._runner.submit(job_metadata.job_id, False, parts)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = [bytes(k) for k in job_metadata.keys]
         chunk_ids = [int(c) for c in job_metadata.chunk_ids]
         self._jobs_keys[job_metadata.job_id] = (keys, True)
-        work = functools.partial(self._load_blocks, keys, chunk_ids)
-        self._runner.submit(job_metadata.job_id, True, work)
+        parts = [
+            functools.partial(self._load_blocks, keys[b], chunk_ids[b]) for b in _slices(len(keys))
+        ]
+        self._runner.submit(job_metadata.job_id, True, parts)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
         for finished in self._runner.finished():
             keys, is_load = self._jobs_keys.pop(finished.job_id)
-            outcome = finished.outcome or Outcome(frozenset(), 0)
+            outcome = finished.outcome
             ok = outcome.ok_keys
             failed = [k for k in keys if k not in ok]
             for k in keys:
@@ -303,8 +309,13 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         return out
 
 
+def _slices(n: int) -> list[slice]:
+    """A job's ``n`` blocks as parts of at most :data:`JOB_BATCH` blocks."""
+    return [slice(i, i + JOB_BATCH) for i in range(0, n, JOB_BATCH)]
+
+
 def _batches(items: Sequence[tuple[int, bytes]]) -> list[Sequence[tuple[int, bytes]]]:
-    """A job's blocks in batches of at most :data:`JOB_BATCH` (bounded staging memory)."""
+    """Blocks in batches of at most :data:`JOB_BATCH` (bounded staging memory)."""
     return [items[i : i + JOB_BATCH] for i in range(0, len(items), JOB_BATCH)]
 
 
