@@ -128,7 +128,11 @@ PLOT_FILES = {
 
 # Sections of the page written by other scripts (not by this run): kept as they are when the
 # page is rewritten, so that regenerating the page never drops their figures.
-CARRIED_SECTIONS = ("## Time to first token with a real engine",)  # scripts/bench_ttft.py
+CARRIED_SECTIONS = (
+    "## Time to first token with a real engine",  # scripts/bench_ttft.py
+    # scripts/bench.py --tmpfs (its table), profiles and analysis by hand (issue 17)
+    "## Fast storage (tmpfs): what kvstore adds to the raw floor",
+)
 
 
 def markdown_report(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore.bench import TMPFS_ROOT, overhead, parse_args, throughput
+from kvstore.bench import TMPFS_ROOT, overhead, parse_args, report, throughput
 from kvstore.models import model_names
 
 
@@ -58,3 +58,12 @@ def test_overhead_versus_baseline() -> None:
     assert "write 3.0x raw (30.0 / 10.0 µs)" in text
     assert "read 2.0x raw (14.0 / 7.0 µs)" in text
     assert f"{overhead.BASELINE_COMMIT}: " in text
+
+
+def test_the_fast_storage_section_survives_a_rewrite_of_the_page() -> None:
+    section = (
+        "## Fast storage (tmpfs): what kvstore adds to the raw floor\n\n| a | b |\n|---|---|\n"
+    )
+    previous = "# page\n\n## Lookup\n\nold\n\n" + section + "\n## Notes\n\nold notes\n"
+    kept = "\n".join(report.carried_sections(previous))
+    assert section.strip() in kept and "old notes" not in kept
