@@ -63,6 +63,7 @@ from connector.tier.config import TierConfig
 from connector.tier.jobs import JobRunner, Outcome
 from connector.tier.lookup import StoreProbe, split_key
 from kvstore import BlockRead, BlockWrite, ConfigError, WriteStatus
+from kvstore.io.buffers import aligned_buffer
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -282,7 +283,8 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         need = count * self.chunks.groups[array].block_bytes
         buffer: torch.Tensor | None = getattr(self._staging, "buffer", None)
         if buffer is None or buffer.numel() < need:
-            buffer = torch.empty(need, dtype=torch.uint8)
+            # page-aligned, so O_DIRECT reads (direct_reads) land in it without a bounce
+            buffer = torch.from_numpy(aligned_buffer(need))
             self._staging.buffer = buffer
         return buffer
 
