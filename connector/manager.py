@@ -222,15 +222,15 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Every worker reported the load job (and, before it, the blocks that failed)."""
-        started: float | None = None
+        started: list[float] = []
         gone: list[bytes] = []
         for key in keys:
             k = bytes(key)
             self._pins[k] -= 1
             if self._pins[k] <= 0:
                 del self._pins[k]
-            t = self._load_started.pop(k, None) if k not in self._pins else None
-            started = t if started is None or (t is not None and t < started) else started
+                if (t := self._load_started.pop(k, None)) is not None:
+                    started.append(t)
             cause = self._load_failed.pop(k, None)
             if cause is None:
                 self.metrics.count(m.LOADED_BLOCKS)
@@ -240,8 +240,8 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             if cause in _GONE:
                 gone.append(k)
         self.events.removed(gone)
-        if started is not None:
-            self.metrics.observe(m.LOAD_SECONDS, self._now() - started)
+        if started:
+            self.metrics.observe(m.LOAD_SECONDS, self._now() - min(started))
 
     # -- stores --------------------------------------------------------------------------------
 
@@ -250,11 +250,11 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
     ) -> PrepareStoreOutput:
         self._drain()
         offered = list(dict.fromkeys(bytes(k) for k in keys))
-        present = [
+        present = {
             k for k in offered if k in self._present or k in self._publishing or k in self._pending
-        ]
+        }
         self.metrics.count(m.STORE_SKIPPED_BLOCKS, len(present), m.PRESENT)
-        candidates = [k for k in offered if k not in set(present)]
+        candidates = [k for k in offered if k not in present]
         if self._now() < self._backoff_until:
             self.metrics.count(m.STORE_DROPPED_BLOCKS, len(candidates), m.WRITE_BACKOFF_REASON)
             return _empty_store(self.namespace.name, self._checksum_algo)
