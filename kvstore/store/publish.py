@@ -58,6 +58,7 @@ class Publisher:
         # Whole-block headers are built in a per-thread page-aligned buffer, so an O_DIRECT
         # write sends them from where they are (no staging copy, no allocation per block).
         self._header_buffers = ThreadStaging()
+        self._padded_images = ThreadStaging()
         index = aligned_buffer(len(array.layout.index_bytes))
         index[:] = np.frombuffer(array.layout.index_bytes, dtype=np.uint8)
         self._index = index.data.toreadonly()
@@ -110,6 +111,11 @@ class Publisher:
             segments = [(0, header)]
             if layout.dense:
                 segments.append((layout.data_offset, data))
+            elif isinstance(data, memoryview) and array.engine.direct.enabled:
+                # O_DIRECT cannot send chunks whose length is not a 4 KiB multiple: the padded
+                # data region is assembled once, in aligned memory, by one strided copy (the
+                # engine would otherwise stage every chunk and pad, one copy each).
+                segments.append((layout.data_offset, self._padded_image(data)))
             else:
                 pad = _ZEROS[: layout.chunk_stride - layout.chunk_nbytes]
                 for c in range(layout.num_chunks):
@@ -154,6 +160,16 @@ class Publisher:
         slots = fmt.encode_checksums(list(sums))
         header[fmt.HEADER_FIXED_NBYTES : fmt.HEADER_FIXED_NBYTES + len(slots)] = slots
         return header
+
+    def _padded_image(self, data: memoryview) -> memoryview:
+        """The data region of a padded layout (chunks at their stride, zero padding) built in
+        this thread's aligned buffer from the back-to-back chunks ``data``."""
+        layout = self.array.layout
+        n, size, stride = layout.num_chunks, layout.chunk_nbytes, layout.chunk_stride
+        image = self._padded_images.get(n * stride)[: n * stride].reshape(n, stride)
+        image[:, :size] = np.frombuffer(data, dtype=np.uint8, count=n * size).reshape(n, size)
+        image[:, size:] = 0  # the buffer may hold another layout's bytes there
+        return image.reshape(-1).data
 
     def _header_into(
         self, block_hash: bytes, parent: bytes | None, created_ns: int, sums: np.ndarray

@@ -66,6 +66,7 @@ class Reader:
         # O_DIRECT reads of aligned requests (config direct_reads, where O_DIRECT works).
         self._direct_reads = config.direct_reads and array.engine.direct.enabled
         self._header_staging = ThreadStaging()
+        self._pad_sink = ThreadStaging()  # where padded layouts' padding is read to (unused)
         # Large whole blocks are verified piece by piece as they are read (_read_in_pieces):
         # needs the host engine's read_file_checked and verification on (the host engine
         # itself: a device engine has paths of its own for host memory too).
@@ -150,7 +151,18 @@ class Reader:
             if device_out is not None:
                 device_out[:need].copy_(torch.frombuffer(out, dtype=torch.uint8)[:need])
             return need
-        segments: list[AnySegment] = [(0, header), *chunk_segments(layout, chunks, out)]
+        segments: list[AnySegment] = [(0, header)]
+        if whole and not layout.dense and isinstance(out, memoryview):
+            # Padded layout: each chunk's stride padding goes to a scratch buffer, so the
+            # block is one contiguous preadv rather than one per chunk.
+            sink = self._pad_sink.get(fmt.ALIGN)[: layout.chunk_stride - layout.chunk_nbytes].data
+            size = layout.chunk_nbytes
+            for c in range(layout.num_chunks):
+                segments.append((layout.chunk_offset(c), out[c * size : (c + 1) * size]))
+                if c + 1 < layout.num_chunks:
+                    segments.append((layout.chunk_offset(c) + size, sink))
+        else:
+            segments += chunk_segments(layout, chunks, out)
         if not whole:  # chunks in the caller's order; whole blocks are in file order already
             segments.sort(key=_offset)
         # Host memory (the common case): every segment is a memoryview, no need to look.
