@@ -57,7 +57,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 import connector.spec
 from connector.config import ConnectorConfig
 from connector.facts import current
-from connector.identity import derive_identity
+from connector.identity import GROUP_ID_BYTES, derive_identity
 from connector.tier.chunks import ChunkGeometry, build_chunk_map, rows_of
 from connector.tier.config import TierConfig
 from connector.tier.jobs import JobRunner, Outcome
@@ -134,6 +134,9 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             self.store.close()
             raise
         self.tokens_per_block = self.identity.tokens_per_block
+        self._group_suffixes = frozenset(
+            g.to_bytes(GROUP_ID_BYTES, "big") for g in self.key_map.group_ids
+        )
         self._present: OrderedDict[bytes, None] = OrderedDict()
         self._jobs_keys: dict[int, tuple[list[bytes], bool]] = {}  # job id -> (keys, is_load)
         self._probe = StoreProbe(self.namespace, self.key_map, tier_type)
@@ -151,7 +154,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         k = bytes(key)
-        if split_key(self.key_map, k) is None:
+        if k[-GROUP_ID_BYTES:] not in self._group_suffixes:  # a group this namespace lacks
             return LookupResult.MISS
         if k in self._present:
             self._present.move_to_end(k)
@@ -234,7 +237,8 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
     def _store_blocks(
         self, keys: Sequence[bytes], chunk_ids: Sequence[int], parents: Sequence[bytes | None]
     ) -> Outcome:
-        """Publish the canonical blocks of the chunks; the keys written or already present.
+        """(one part of a store job) Publish the canonical blocks of the chunks; the keys
+        written or already present.
 
         A failed write is logged by the store (one line per batch, with the first error) and
         leaves the key out: the job fails, and vLLM's backpressure counts it."""
@@ -243,39 +247,36 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         for array, items in _by_array(self.key_map, keys).items():
             ok.update(keys[i] for i, _ in items if keys[i] in self._present)
             todo = [(i, h) for i, h in items if keys[i] not in self._present]
-            for batch in _batches(todo):
-                ids = [chunk_ids[i] for i, _ in batch]
-                blocks = self.chunks.to_blocks(array, ids, self._buffer(len(batch), array))
-                writes = [
-                    BlockWrite(h, blocks[j].numpy(), parents[i]) for j, (i, h) in enumerate(batch)
-                ]
-                results = self.namespace.group(array).write_blocks(writes)
-                for (i, _), result in zip(batch, results, strict=True):
-                    if result.status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
-                        ok.add(keys[i])
-                        nbytes += blocks.shape[1]
+            if not todo:
+                continue
+            ids = [chunk_ids[i] for i, _ in todo]
+            blocks = self.chunks.to_blocks(array, ids, self._buffer(len(todo), array))
+            writes = [BlockWrite(h, blocks[j].numpy(), parents[i]) for j, (i, h) in enumerate(todo)]
+            results = self.namespace.group(array).write_blocks(writes)
+            for (i, _), result in zip(todo, results, strict=True):
+                if result.status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
+                    ok.add(keys[i])
+                    nbytes += blocks.shape[1]
         return Outcome(frozenset(ok), nbytes)
 
     def _load_blocks(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> Outcome:
-        """Read and verify the blocks into their chunk rows; the keys that arrived."""
+        """(one part of a promotion job) Read and verify the blocks into their chunk rows;
+        the keys that arrived."""
         ok: set[bytes] = set()
         nbytes = 0
         for array, items in _by_array(self.key_map, keys).items():
             block_bytes = self.chunks.groups[array].block_bytes
-            for batch in _batches(items):
-                blocks = self._buffer(len(batch), array)[: len(batch) * block_bytes]
-                blocks = blocks.view(len(batch), block_bytes)
-                reads = [BlockRead(h, blocks[j].numpy()) for j, (_, h) in enumerate(batch)]
-                results = self.namespace.group(array).read_blocks(reads)
-                hits = [j for j, r in enumerate(results) if r.ok]
-                if not hits:
-                    continue
-                rows = [chunk_ids[batch[j][0]] for j in hits]
-                self.chunks.from_blocks(
-                    array, blocks[hits] if len(hits) < len(batch) else blocks, rows
-                )
-                ok.update(keys[batch[j][0]] for j in hits)
-                nbytes += len(hits) * block_bytes
+            blocks = self._buffer(len(items), array)[: len(items) * block_bytes]
+            blocks = blocks.view(len(items), block_bytes)
+            reads = [BlockRead(h, blocks[j].numpy()) for j, (_, h) in enumerate(items)]
+            results = self.namespace.group(array).read_blocks(reads)
+            hits = [j for j, r in enumerate(results) if r.ok]
+            if not hits:
+                continue
+            rows = [chunk_ids[items[j][0]] for j in hits]
+            self.chunks.from_blocks(array, blocks[hits] if len(hits) < len(items) else blocks, rows)
+            ok.update(keys[items[j][0]] for j in hits)
+            nbytes += len(hits) * block_bytes
         return Outcome(frozenset(ok), nbytes)
 
     def _buffer(self, count: int, array: int) -> torch.Tensor:
@@ -314,11 +315,6 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
 def _slices(n: int) -> list[slice]:
     """A job's ``n`` blocks as parts of at most :data:`JOB_BATCH` blocks."""
     return [slice(i, i + JOB_BATCH) for i in range(0, n, JOB_BATCH)]
-
-
-def _batches(items: Sequence[tuple[int, bytes]]) -> list[Sequence[tuple[int, bytes]]]:
-    """Blocks in batches of at most :data:`JOB_BATCH` (bounded staging memory)."""
-    return [items[i : i + JOB_BATCH] for i in range(0, len(items), JOB_BATCH)]
 
 
 def _by_array(key_map: Any, keys: Sequence[bytes]) -> dict[int, list[tuple[int, bytes]]]:

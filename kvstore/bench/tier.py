@@ -24,6 +24,7 @@ import-linter exception in pyproject.toml).
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import time
 from collections.abc import Iterator, Sequence
@@ -99,7 +100,8 @@ def _tiering(  # noqa: PLR0913 - geometry, where, which tier and how big the CPU
 def _keys(n: int, tag: int) -> list[bytes]:
     from vllm.v1.kv_offload.base import make_offload_key  # noqa: PLC0415
 
-    return [make_offload_key(((tag << 40) + i).to_bytes(8, "big") * 4, 0) for i in range(n)]
+    # sha256 digests, as vLLM's block hashes: spread over every fan-out directory
+    return [make_offload_key(hashlib.sha256(b"%d-%d" % (tag, i)).digest(), 0) for i in range(n)]
 
 
 def _step(manager: Any) -> None:
