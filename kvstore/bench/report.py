@@ -132,6 +132,7 @@ CARRIED_SECTIONS = (
     "## Time to first token with a real engine",  # scripts/bench_ttft.py
     # scripts/bench.py --tmpfs (its table), profiles and analysis by hand (issue 17)
     "## Fast storage (tmpfs): what kvstore adds to the raw floor",
+    "## Secondary tier vs vLLM fs tier",  # scripts/bench.py --suite tier, by hand (issue 18)
 )
 
 
