@@ -21,6 +21,7 @@ import connector.spec
 from connector.tier import KVStoreTier
 from connector.tier.chunks import build_chunk_map, rows_of
 from connector.tier.config import TierConfig
+from connector.tier.jobs import JobRunner, Outcome
 from kvstore import ConfigError, KVStore, StoreConfig
 from kvstore.store.paths import TMP_MARK
 
@@ -162,3 +163,22 @@ def test_unmappable_chunk_configurations_are_refused_at_startup(tmp_path: Path) 
         build_chunk_map(rows, tier.identity, tier.facts, wide)
     del rows
     engine.shutdown()
+
+
+def test_a_job_part_that_raises_fails_only_its_keys(caplog: pytest.LogCaptureFixture) -> None:
+    """A job's parts run concurrently; one raising (a bug, not an I/O error: those are results)
+    is logged, fails its own keys, and the job still finishes; an empty job finishes at once."""
+    runner = JobRunner(load_threads=2, store_threads=2)
+
+    def broken() -> Outcome:
+        raise RuntimeError("boom")
+
+    with caplog.at_level(logging.ERROR):
+        runner.submit(1, True, [lambda: Outcome(frozenset({b"a"}), 10), broken])
+        runner.submit(2, False, [])
+        runner.wait_idle()
+    done = {f.job_id: f for f in runner.finished()}
+    assert done[1].outcome == Outcome(frozenset({b"a"}), 10)
+    assert done[2].outcome == Outcome(frozenset(), 0)
+    assert any("job 1 failed" in r.getMessage() for r in caplog.records)
+    runner.shutdown()
