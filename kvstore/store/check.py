@@ -17,9 +17,10 @@ index and codec) and one key. Checked here, once for every user:
 Two ways in:
 
 * the hot path (:meth:`GroupStore.read_blocks <kvstore.store.group_store.GroupStore.read_blocks>`
-  and the compressed reader): :func:`check_header` and :func:`verify_chunks` raise
-  :class:`~kvstore.errors.CorruptBlockError` at the first problem, one call each per block
-  (the per-chunk work is one checksum call, nothing more);
+  and the compressed reader): :func:`check_header` (raw arrays: :func:`header_algo`, the same
+  checks on the header's bytes) and :func:`verify_chunks` (or :func:`verify_run` per piece of a
+  large block) raise :class:`~kvstore.errors.CorruptBlockError` at the first problem, one call
+  each per block (the per-chunk work is one checksum call, driven from C, nothing more);
 * the tools (``kvstore verify``, ``kvstore ls``, ``kvstore-inspect``): :func:`check_file`
   reads the whole file once (never more than the largest valid file of the geometry), never
   raises for a damaged block, never changes the file (no mtime update, nothing moved), and

@@ -2,9 +2,12 @@
 
 :meth:`Reader.read_blocks` reads whole blocks or chosen inner chunks (heads x layers) into
 caller buffers, touching only those byte ranges: the header and each contiguous run of chunks,
-one ``preadv`` for a whole block. Every read checks the header against the key it asked for and
-each chunk against its checksum (:mod:`kvstore.store.check`: one header check and one checksum
-call per chunk, nothing more). A missing, short, mis-keyed, foreign or corrupt block is a
+one ``preadv`` for a whole block (a padded layout's stride padding goes to a scratch buffer).
+Every read checks the header against the key it asked for and each chunk against its checksum
+(:mod:`kvstore.store.check`: one header check, and one call that checksums all the chunks read,
+nothing more). Whole blocks of 1 MiB or more are read and verified in pieces of about 512 KiB,
+header first, each piece checksummed while it is still in the CPU cache
+(:meth:`Reader._read_in_pieces`). A missing, short, mis-keyed, foreign or corrupt block is a
 miss: one log line, counted, and the corrupt file quarantined - never served.
 
 Read buffers are host memory (anything with the buffer protocol) or uint8-viewable tensors. A
