@@ -21,16 +21,22 @@ import prometheus_client
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
-from vllm.v1.kv_offload.base import OffloadingEvent, make_offload_key
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    OffloadingEvent,
+    ReqContext,
+    make_offload_key,
+)
 
 import connector.spec
 from connector import events
 from connector import metrics as m
 from kvstore import KVStore
 
-from .harness import BLOCK, prompt
+from .harness import BLOCK, Engine, EngineOptions, prompt
 from .metered import Metered, engine
 from .test_failures import PROMPT, FullDisk, _block_path, _corrupt, _store_prompt
+from .test_manager import Clock, finish, keys, manager_of
 
 
 def external(block_hash: bytes) -> Any:
@@ -233,3 +239,20 @@ def test_events_buffer_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     kept = buffer.take()
     assert all(isinstance(ev, OffloadingEvent) for ev in kept)
     assert [ev.keys[0][0] for ev in kept] == [2, 3, 4]  # the oldest were dropped
+
+
+def test_stores_pending_at_a_cache_reset_count_as_dropped(tmp_path: Path) -> None:
+    engine_ = Engine(EngineOptions(root=tmp_path))
+    manager, context = manager_of(engine_, Clock()), ReqContext(req_id="r")
+    out = manager.prepare_store(keys(1, 2), context)
+    assert manager._pending_bytes == 2 * manager.namespace.group(0).layout.block_nbytes
+    worker = engine_.ranks[0].worker
+    assert worker.submit_store(5, GPULoadStoreSpec([3, 4], [2], [0]), out.store_spec)
+    finish(worker, 5)
+    manager.reset_cache()  # vLLM will never call complete_store for this job
+    manager.on_reset_flushed()
+    manager.drain()
+    assert manager.metrics.counter(m.STORE_DROPPED_BLOCKS, m.CACHE_RESET) == 2
+    assert manager.metrics.counter(m.FAILED_BLOCKS, m.STORE, m.IO_ERROR) == 0
+    assert manager._pending_bytes == 0
+    engine_.shutdown()

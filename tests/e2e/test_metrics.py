@@ -7,7 +7,7 @@ counts them under ``vllm:kvstore_stored_blocks_total`` and the subscriber receiv
 shows the lookups as hits and the blocks as loaded.
 
 The events are decoded with msgspec without vLLM's classes (the server's vLLM may differ from
-this venv's): a batch is ``[ts, [event, ...], dp_rank]``, an event ``[tag, field, ...]``.
+this venv's): a batch is ``[ts, [event, ...], dp_rank]``, an event a map with its ``type``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def served_with_events(
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{events_port}",
+        # vLLM's publisher binds wildcard endpoints only (and connects to any other, as to a
+        # collector, which did not deliver here): bind, and the test subscribes on loopback.
+        "endpoint": f"tcp://*:{events_port}",
         "topic": "kv",
     }
     command = [*serve_command(python, model, root, port), "--kv-events-config", json.dumps(events)]
@@ -97,17 +99,19 @@ def settled(server: Server, name: str, labels: tuple[tuple[str, str], ...], want
         time.sleep(0.5)
 
 
-def storage_events(sub: Any, want: int) -> list[list[Any]]:
-    """KV events with medium STORAGE received until ``want`` BlockStored or the deadline."""
-    found: list[list[Any]] = []
+def storage_events(sub: Any, want: int, seen: list[Any]) -> list[dict[str, Any]]:
+    """KV events with medium STORAGE received until ``want`` BlockStored or the deadline;
+    every event received goes to ``seen``."""
+    found: list[dict[str, Any]] = []
     deadline = time.monotonic() + EVENTS_TIMEOUT_S
     while time.monotonic() < deadline:
         if not sub.poll(500):
             continue
         _topic, _seq, payload = sub.recv_multipart()
         batch = msgspec.msgpack.decode(payload)
-        found += [ev for ev in batch[1] if isinstance(ev, list) and "STORAGE" in ev]
-        if sum(ev[0] == "BlockStored" for ev in found) >= want:
+        seen += batch[1]
+        found += [ev for ev in batch[1] if ev.get("medium") == "STORAGE"]
+        if sum(ev["type"] == "BlockStored" for ev in found) >= want:
             break
     return found
 
@@ -124,7 +128,7 @@ def test_metrics_and_kv_events_of_a_running_server(
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
-    sub.connect(f"tcp://127.0.0.1:{events_port}")
+    sub.connect(f"tcp://127.0.0.1:{events_port}")  # retried until the server binds
     try:
         with served_with_events(
             e2e_python, tiny_llama, root, tmp_path / "serve1.log", env, events_port
@@ -132,7 +136,8 @@ def test_metrics_and_kv_events_of_a_running_server(
             complete(first, prompt)
             wait_for_blocks(root, full_blocks, first)
             stored = settled(first, "vllm:kvstore_stored_blocks_total", (), full_blocks)
-            events = storage_events(sub, full_blocks)
+            seen: list[Any] = []
+            events = storage_events(sub, full_blocks, seen)
             log1 = first.log_tail()
         with served_with_events(
             e2e_python, tiny_llama, root, tmp_path / "serve2.log", env, events_port
@@ -149,9 +154,10 @@ def test_metrics_and_kv_events_of_a_running_server(
     assert stored.get(("vllm:kvstore_stored_bytes_total", ()), 0) > 0, log1
     assert stored.get(("vllm:kvstore_lookup_blocks_total", (("result", "miss"),)), 0) >= 1
     assert stored.get(("vllm:kvstore_pending_store_bytes", ())) is not None
-    blocks_stored = [ev for ev in events if ev[0] == "BlockStored"]
-    assert len(blocks_stored) == full_blocks, (events, log1)
-    assert sum(len(ev[1]) for ev in blocks_stored) == full_blocks  # one hash per block
+    blocks_stored = [ev for ev in events if ev["type"] == "BlockStored"]
+    assert len(blocks_stored) == full_blocks, (seen[:20], log1[-3000:])
+    assert sum(len(ev["block_hashes"]) for ev in blocks_stored) == full_blocks  # one per block
+    assert {ev.get("locality") for ev in blocks_stored} == {"LOCAL"}
     assert loaded.get(("vllm:kvstore_lookup_blocks_total", hit)) == full_blocks, log2
     assert loaded.get(("vllm:kvstore_lookup_tokens_total", hit)) == full_blocks * BLOCK
     assert loaded.get(("vllm:kvstore_loaded_blocks_total", ())) == full_blocks, log2
