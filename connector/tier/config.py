@@ -51,6 +51,9 @@ class TierConfig:
     # local-storage defaults (watermarks by locality, 3 consecutive failed stores = pressure),
     # so a slow or full store drops stores instead of pinning the CPU tier. False: no detector.
     default_backpressure: bool = True
+    # Emit vLLM KV events (BlockStored, medium STORAGE) for blocks this tier stored, as vLLM's
+    # fs tier does; effective only with vLLM's KV cache events enabled (--kv-events-config).
+    enable_kv_events: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -66,10 +69,9 @@ class TierConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ConfigError(f"{name}: expected an int in [{low}, {high}], got {value!r}")
-        if not isinstance(self.default_backpressure, bool):
-            raise ConfigError(
-                f"default_backpressure: expected a bool, got {self.default_backpressure!r}"
-            )
+        for name in ("default_backpressure", "enable_kv_events"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.locality and self.locality.upper() not in LOCALITIES:
             raise ConfigError(
                 f"locality: expected one of {list(LOCALITIES)}, got {self.locality!r}"
@@ -112,7 +114,7 @@ class TierConfig:
             value = options[name]
             if name in ("store_threads", "load_threads", "index_capacity"):
                 values[name] = strict_int(name, value)
-            elif name == "default_backpressure":
+            elif name in ("default_backpressure", "enable_kv_events"):
                 values[name] = _strict_bool(name, value)
             elif isinstance(value, str):
                 values[name] = value

@@ -44,6 +44,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -142,6 +143,15 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         self._probe = StoreProbe(self.namespace, self.key_map, tier_type)
         self._runner = JobRunner(self.options.load_threads, self.options.store_threads)
         self._staging = threading.local()  # per job thread: a reused block buffer
+        self._events: list[OffloadingEvent] | None = None
+        if self.options.enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self._events = []
+            else:
+                log.warning(
+                    "kvstore tier: enable_kv_events is set but vLLM's KV cache events are "
+                    "off (--kv-events-config); the tier emits no events"
+                )
         log.info(
             "kvstore tier: namespace %s in %s (durability=%s, %d KV groups)",
             self.namespace.name,
@@ -208,6 +218,13 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
                 else:
                     self._present.pop(k, None)
             partial = None
+            if not is_load and self._events is not None and ok:
+                stored = [OffloadKey(k) for k in keys if k in ok]
+                self._events.append(
+                    OffloadingEvent(
+                        keys=stored, medium=self.medium, removed=False, locality=self.locality
+                    )
+                )
             if is_load and failed:
                 self._probe.mark_miss([OffloadKey(k) for k in failed])
                 kept = [OffloadKey(k) for k in keys if k in ok]
@@ -222,6 +239,13 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
                 )
             )
         return results
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """BlockStored events of finished store jobs (``enable_kv_events``)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def drain_jobs(self) -> None:
         self._runner.wait_idle()

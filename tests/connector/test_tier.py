@@ -118,6 +118,32 @@ def test_tier_promotes_what_the_direct_connector_stored(
     engine.shutdown()
 
 
+def test_stored_blocks_are_announced_as_kv_events(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``enable_kv_events`` (and vLLM's KV events on) every block the tier stored is
+    announced once, on the STORAGE medium, to vLLM's scheduler (as vLLM's fs tier does)."""
+    engine = TierEngine(EngineOptions(root=tmp_path), enable_kv_events=True)
+    tier = engine.tier
+    assert tier._events is None  # vLLM's KV cache events are off in this engine: none
+    tier._events = []  # as if --kv-events-config enabled them
+    taken: list[Any] = []
+    original = tier.take_events
+
+    def spy() -> list[Any]:
+        events = list(original())
+        taken.extend(events)
+        return events
+
+    monkeypatch.setattr(tier, "take_events", spy)  # vLLM's scheduler drains it every step
+    request = engine.serve("writer", PROMPT)
+    engine.flush_tier()
+    stored = [k for e in taken for k in e.keys]
+    assert sorted(stored) == sorted(h + bytes(4) for h in request.block_hashes)
+    assert all(e.medium.name == "STORAGE" and not e.removed for e in taken)
+    engine.shutdown()
+
+
 def test_mla_and_hybrid_models_round_trip(tmp_path: Path) -> None:
     """MLA (latent replicated on every TP rank) and two KV-cache groups (full + sliding)."""
     store_through_tier(tmp_path / "mla", mla=True, tp=2)
