@@ -71,10 +71,16 @@ class Reader:
         self._header_staging = ThreadStaging()
         self._pad_sink = ThreadStaging()  # where padded layouts' padding is read to (unused)
         # Large whole blocks are verified piece by piece as they are read (_read_in_pieces):
-        # needs the host engine's read_file_checked and verification on (the host engine
-        # itself: a device engine has paths of its own for host memory too).
+        # needs the host engine's read_file_checked (the host engine itself: a device engine
+        # has paths of its own for host memory too) and verification on. Not with O_DIRECT
+        # reads: their bytes arrive by DMA, not through the CPU cache, and one large request
+        # keeps the device busier than a row of 512 KiB ones issued one after another.
         engine = array.engine
-        self._pieces = engine if type(engine) is HostEngine and array.verify_reads else None
+        self._pieces = (
+            engine
+            if type(engine) is HostEngine and array.verify_reads and not self._direct_reads
+            else None
+        )
 
     def read_blocks(self, reads: Sequence[BlockRead]) -> list[ReadResult]:
         """Read and verify blocks into the callers' buffers; failures are misses."""

@@ -248,3 +248,25 @@ def test_padded_blocks_are_the_same_bytes_with_and_without_o_direct(
         raw = Path(path).read_bytes()
         files[direct_io] = raw[: fmt.CREATED_OFFSET] + raw[fmt.HEADER_FIXED_NBYTES :]
     assert files["off"] == files["auto"]  # all but the creation time and the header crc
+
+
+def test_o_direct_reads_are_not_split_into_pieces(
+    monkeypatch: pytest.MonkeyPatch, make_store: StoreFactory
+) -> None:
+    """direct_reads: one large O_DIRECT request, not 512 KiB ones one after another (their
+    bytes do not come through the CPU cache, so pieces would only cost queue depth)."""
+    monkeypatch.setattr(read_module, "_PIECE_NBYTES", 2 * 4096)
+    calls: list[int] = []
+    monkeypatch.setattr(
+        HostEngine,
+        "read_file_checked",
+        lambda *a, **k: calls.append(1),  # never reached
+    )
+    store = make_store(direct_reads=True)
+    if not store.engine.direct.enabled:
+        pytest.skip("O_DIRECT is not available under tmp_path")
+    group = store.namespace(make_small_identity()).group(0)
+    h, data = write_one(group, 7)
+    result, out = read_whole(group, h)
+    assert result.ok and out.tobytes() == data.tobytes()
+    assert calls == []
