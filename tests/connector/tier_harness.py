@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from connector.tier import KVStoreTier, tier_entry
 from .harness import Engine, EngineOptions
 
 CPU_BYTES = 1 << 20  # CPU tier size: 128 chunks of the tiny models' 8 KiB rows
-ENGINE_ID = "test-engine"  # tests/connector/harness.py's engine_id (names the /dev/shm region)
+REGION_KEY = "kvtest_region"  # extra-config key naming one engine's /dev/shm region
 
 
 class ChunkCopyWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]
@@ -59,7 +60,7 @@ class ChunkCopyWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]
         self.canonical = bool(spec.config.canonical_layout)
         rank = 0 if spec.replicated_layout else spec.config.parallel.rank
         self.region = SharedOffloadRegion(
-            engine_id=spec.config.engine_id,
+            engine_id=spec._engine_id,
             num_chunks=spec.num_chunks,
             rank=rank,
             kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
@@ -137,7 +138,13 @@ class ChunkCopyWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]
 
 
 class CPUTieringSpec(TieringOffloadingSpec):  # type: ignore[misc, unused-ignore]
-    """vLLM's tiering spec with :class:`ChunkCopyWorker` as its worker."""
+    """vLLM's tiering spec with :class:`ChunkCopyWorker` as its worker, and a shared region
+    of its own per engine (the harness gives every engine the same engine_id, and test
+    processes may run side by side)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self._engine_id = f"{config.engine_id}-{self.extra_config[REGION_KEY]}"
 
     _copy_worker: ChunkCopyWorker | None = None
 
@@ -150,6 +157,7 @@ class CPUTieringSpec(TieringOffloadingSpec):  # type: ignore[misc, unused-ignore
 def tier_extra(root: Path, canonical: bool = False, **tier: Any) -> dict[str, Any]:
     """``kv_connector_extra_config`` keys of a tiering engine with kvstore at ``root``."""
     extra: dict[str, Any] = {
+        REGION_KEY: uuid.uuid4().hex[:12],
         "spec_name": "CPUTieringSpec",
         "spec_module_path": __name__,
         "cpu_bytes_to_use": CPU_BYTES,
@@ -165,9 +173,13 @@ class TierEngine(Engine):
 
     def __init__(self, options: EngineOptions, canonical: bool = False, **tier: Any) -> None:
         extra = {**tier_extra(options.root, canonical, **tier), **options.extra}
-        for stale in Path("/dev/shm").glob(f"vllm_offload_{ENGINE_ID}.mmap*"):
-            stale.unlink()  # left by an engine whose construction failed (a refused config)
-        super().__init__(dataclasses.replace(options, extra=extra))
+        try:
+            super().__init__(dataclasses.replace(options, extra=extra))
+        except BaseException:
+            # a refused configuration: the workers built before the scheduler keep the region
+            for leftover in Path("/dev/shm").glob(f"vllm_offload_*-{extra[REGION_KEY]}.mmap*"):
+                leftover.unlink()
+            raise
 
     @property
     def tiering(self) -> TieringOffloadingManager:
