@@ -69,8 +69,16 @@ def test_restarted_engine_promotes_stored_blocks_byte_exact(tmp_path: Path) -> N
         ({"tp": 8}, {"tp": 2, "layout": "LBNHC"}),  # replicated heads; NHD pages
         ({"tp": 2, "canonical": True}, {"tp": 4}),  # vLLM's canonical pages -> cells
         ({"tp": 4}, {"tp": 2, "canonical": True}),
+        ({"tp": 8, "canonical": True}, {"tp": 1}),  # canonical pages of replicated heads
     ],
-    ids=["tp2-to-tp1", "packed-to-tp4", "tp8-to-nhd-tp2", "canonical-to-tp4", "tp4-to-canonical"],
+    ids=[
+        "tp2-to-tp1",
+        "packed-to-tp4",
+        "tp8-to-nhd-tp2",
+        "canonical-to-tp4",
+        "tp4-to-canonical",
+        "canonical-tp8-to-tp1",
+    ],
 )
 def test_tiers_of_other_layouts_share_blocks(
     tmp_path: Path, write: dict[str, Any], read: dict[str, Any]
@@ -141,6 +149,26 @@ def test_stored_blocks_are_announced_as_kv_events(
     stored = [k for e in taken for k in e.keys]
     assert sorted(stored) == sorted(h + bytes(4) for h in request.block_hashes)
     assert all(e.medium.name == "STORAGE" and not e.removed for e in taken)
+    engine.shutdown()
+
+
+def test_decode_context_parallel_cells_map_to_blocks_of_the_same_span(tmp_path: Path) -> None:
+    """DCP=2 interleaves a block's tokens over two workers' cells; the tier assembles the
+    32-token block, which the direct connector at DCP=1 with --block-size 32 loads, and a new
+    DCP=2 tier engine splits it back into both workers' cells."""
+    mqa: dict[str, Any] = {"model": "tiny_mqa"}
+    tokens = prompt(5 * 32 + 3)
+    first = TierEngine(EngineOptions(root=tmp_path, tp=2, dcp=2, **mqa))
+    first.serve("writer", tokens)
+    first.flush_tier()
+    first.shutdown()
+    reader = promote(Engine(EngineOptions(root=tmp_path, block_size=32, **mqa)), tokens)
+    assert reader.first_start["reader"] == 5 * 32
+    assert reader.prefix_ok["reader"]
+    reader.shutdown()
+    engine = promote(TierEngine(EngineOptions(root=tmp_path, tp=2, dcp=2, **mqa)), tokens)
+    assert engine.first_start["reader"] == 5 * 32
+    assert engine.prefix_ok["reader"]
     engine.shutdown()
 
 
