@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,100 @@ TMPFS_BASELINE: dict[tuple[str, int], tuple[float, float, float]] = {
     ("deepseek-v3", 16): (0.33, 0.38, 0.35),
     ("deepseek-v3", 256): (0.69, 0.76, 0.66),
 }
+
+
+# The same comparison by CPU time (cpu_ab: best of 5 alternating rounds, 64 MiB or 8 blocks
+# per configuration, 4 threads), run with the e141e29 tree on the same day: (write, read).
+TMPFS_BASELINE_CPU: dict[tuple[str, int], tuple[float, float]] = {
+    ("llama-3.1-8b", 16): (0.57, 0.69),
+    ("llama-3.1-8b", 256): (0.56, 0.78),
+    ("llama-3.1-70b", 16): (0.59, 0.78),
+    ("llama-3.1-70b", 256): (0.66, 0.69),
+    ("qwen2.5-7b", 16): (0.45, 0.60),
+    ("qwen2.5-7b", 256): (0.57, 0.71),
+    ("qwen3-32b", 16): (0.66, 0.79),
+    ("qwen3-32b", 256): (0.61, 0.79),
+    ("gpt-oss-20b", 16): (0.57, 0.56),
+    ("gpt-oss-20b", 256): (0.63, 0.62),
+    ("gemma-3-1b", 16): (0.57, 0.65),
+    ("gemma-3-1b", 256): (0.54, 0.73),
+    ("deepseek-v3", 16): (0.34, 0.40),
+    ("deepseek-v3", 256): (0.54, 0.69),
+}
+CPU_AB_ROUNDS = 5
+CPU_AB_MIB = 64
+
+
+def cpu_ab(  # noqa: PLR0913 - the configurations to sweep, then the run's knobs
+    base: Path,
+    models: Sequence[str],
+    block_tokens: Sequence[int],
+    threads: int = 4,
+    rounds: int = CPU_AB_ROUNDS,
+    mib: float = CPU_AB_MIB,
+) -> list[dict[str, Any]]:
+    """kvstore / raw floor by CPU time: what the throughput ratio is where the CPU, not the
+    storage, is the limit (tmpfs), measured so that other jobs on a shared machine barely
+    move it (they take wall time, not this process's CPU seconds).
+
+    Per configuration, ``rounds`` rounds alternate which system goes first; each writes the
+    blocks (durability full) and reads them twice, the second read timed; the process's CPU
+    seconds (all threads) of the best round per system and phase give the ratio.
+    """
+    out: list[dict[str, Any]] = []
+    for model in models:
+        for tokens in block_tokens:
+            identity = load_model(model).identity(tokens)
+            layout = ShardLayout.for_group(identity.groups[0], tokens, identity.dtype.itemsize)
+            count = max(8, int(mib * 2**20) // layout.block_nbytes)
+            work = make_workload(layout, count, seed=tokens, tag=model)
+            outs = work.outs
+            root = base / f"cpu-{model}-{tokens}"
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+            direct = probe_direct_io(root, "auto").enabled
+            cpu: dict[tuple[str, str], list[float]] = {}
+            for r in range(rounds):
+                for name in ("raw", "kvstore") if r % 2 else ("kvstore", "raw"):
+                    where = root / name
+                    shutil.rmtree(where, ignore_errors=True)
+                    where.mkdir()
+                    system = make_system(name, where, identity, threads, "full", direct, "none")
+                    try:
+                        start = time.process_time()
+                        system.write(work)
+                        cpu.setdefault((name, "write"), []).append(time.process_time() - start)
+                        system.read(work, outs)
+                        start = time.process_time()
+                        system.read(work, outs)
+                        cpu.setdefault((name, "read"), []).append(time.process_time() - start)
+                    finally:
+                        system.close()
+            shutil.rmtree(root, ignore_errors=True)
+            ratio = {
+                phase: round(min(cpu["raw", phase]) / min(cpu["kvstore", phase]), 3)
+                for phase in ("write", "read")
+            }
+            out.append({"model": model, "block_tokens": tokens, "cpu_ratio": ratio})
+    return out
+
+
+def cpu_versus_baseline(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """:func:`cpu_ab` next to :data:`TMPFS_BASELINE_CPU`, as a markdown table."""
+    lines = [
+        f"| model | block tokens | write / raw by CPU time ({TMPFS_BASELINE_COMMIT} -> now) | "
+        "read / raw by CPU time |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        old = TMPFS_BASELINE_CPU.get((row["model"], row["block_tokens"]))
+        now = row["cpu_ratio"]
+        cells = [
+            f"{old[k]:.2f} -> **{now[phase]:.2f}**" if old else f"- -> **{now[phase]:.2f}**"
+            for k, phase in enumerate(("write", "read"))
+        ]
+        lines.append(f"| {row['model']} | {row['block_tokens']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def versus_baseline(result: dict[str, Any]) -> list[str]:

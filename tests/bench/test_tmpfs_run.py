@@ -67,3 +67,14 @@ def test_the_fast_storage_section_survives_a_rewrite_of_the_page() -> None:
     previous = "# page\n\n## Lookup\n\nold\n\n" + section + "\n## Notes\n\nold notes\n"
     kept = "\n".join(report.carried_sections(previous))
     assert section.strip() in kept and "old notes" not in kept
+
+
+def test_cpu_ab_measures_both_phases(tmp_path: Path) -> None:
+    rows = throughput.cpu_ab(tmp_path, ["gemma-3-1b"], [16], threads=2, rounds=2, mib=1)
+    assert [(r["model"], r["block_tokens"]) for r in rows] == [("gemma-3-1b", 16)]
+    assert all(0 < rows[0]["cpu_ratio"][phase] < 10 for phase in ("write", "read"))
+    assert list(tmp_path.iterdir()) == []  # scratch removed
+    lines = throughput.cpu_versus_baseline(rows)
+    old = throughput.TMPFS_BASELINE_CPU[("gemma-3-1b", 16)]
+    assert lines[2].startswith(f"| gemma-3-1b | 16 | {old[0]:.2f} -> **")
+    assert {(m, t) for m in model_names() for t in (16, 256)} <= set(throughput.TMPFS_BASELINE_CPU)
