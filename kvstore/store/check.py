@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -54,6 +55,8 @@ from kvstore.keys import hash_coords
 from kvstore.store import format as fmt
 from kvstore.store.codec import Codec, compressed_bounds, decode_index
 from kvstore.store.format import BlockHeader, ShardLayout
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 # Kinds of fault (``kvstore verify``'s finding kinds for block files).
 TRUNCATED = "truncated"  # shorter than the geometry allows (a torn copy, a full disk)
@@ -172,13 +175,24 @@ def verify_chunks(
     acceptable for ``algo``).
     """
     chunk_checksum(algo)  # an unknown algorithm id is a corrupt block
-    slots = fmt.decode_checksums(header, layout.num_chunks)
     size = layout.chunk_nbytes
     if isinstance(data, torch.Tensor):
         rows = data[: len(chunks) * size].view(len(chunks), size)
         sums = np.asarray(checksum_tensor_rows(algo, rows), dtype=np.uint64)
     else:
         sums = chunk_sums(algo, data, size, len(chunks))
+    run = isinstance(chunks, range) and chunks.step == 1  # a whole block or a run of chunks
+    if run and _LITTLE_ENDIAN:
+        # The slots are u64 little endian: compared as bytes with the sums (0.5 µs, against
+        # 1.9 for decoding and comparing them); a difference is named by the slow path below.
+        stored = (
+            header[fmt.checksum_slot_offset(chunks[0]) : fmt.checksum_slot_offset(chunks[-1] + 1)]
+            if len(chunks)
+            else b""
+        )
+        if sums.tobytes() == bytes(stored):
+            return
+    slots = fmt.decode_checksums(header, layout.num_chunks)
     if isinstance(chunks, range) and chunks.step == 1:  # a whole block or a run: a view
         wanted = slots[chunks.start : chunks.stop]
     else:
