@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 
-from connector.identity import KeyMap
+from connector.identity import GROUP_ID_BYTES, KeyMap
 from kvstore import Namespace
 
 
@@ -24,19 +24,24 @@ class StoreProbe(AsyncLookupManager):  # type: ignore[misc, unused-ignore]  # An
 
     def __init__(self, namespace: Namespace, key_map: KeyMap, tier_type: str) -> None:
         self._namespace = namespace
-        self._key_map = key_map
+        # a key's last GROUP_ID_BYTES -> its array (KeyMap.split without the exceptions)
+        self._arrays = {
+            g.to_bytes(GROUP_ID_BYTES, "big"): a for a, g in enumerate(key_map.group_ids)
+        }
         super().__init__(tier_type=tier_type)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        found = [False] * len(keys)
-        by_array: dict[int, list[tuple[int, bytes]]] = defaultdict(list)
+        arrays = self._arrays
+        by_array: dict[int, list[int]] = defaultdict(list)  # array -> positions in keys
         for i, key in enumerate(keys):
-            where = split_key(self._key_map, bytes(key))
-            if where is not None:
-                by_array[where[0]].append((i, where[1]))
-        for array, items in by_array.items():
-            present = self._namespace.group(array).contains([h for _, h in items])
-            for (i, _), hit in zip(items, present, strict=True):
+            array = arrays.get(key[-GROUP_ID_BYTES:])
+            if array is not None:
+                by_array[array].append(i)
+        found = [False] * len(keys)
+        for array, positions in by_array.items():
+            hashes = [keys[i][:-GROUP_ID_BYTES] for i in positions]
+            present = self._namespace.group(array).contains(hashes)
+            for i, hit in zip(positions, present, strict=True):
                 found[i] = hit
         return found
 

@@ -67,3 +67,27 @@ def test_contains_rejects_a_bad_hash_on_any_path(make_store: StoreFactory) -> No
     group = make_store(fio=SlowFileIO(0.001, set())).namespace(make_small_identity()).group(0)
     with pytest.raises(KvstoreError):
         group.contains([block_hash(i) for i in range(8)] + [b"short"])
+
+
+class OneSlowProbe(FileIO):
+    """The first probe is slow (a preemption, a wait for the GIL); the others are local."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.threads: set[str] = set()
+
+    def exists(self, path: str) -> bool:
+        self.calls += 1
+        self.threads.add(threading.current_thread().name)
+        if self.calls == 1:
+            time.sleep(0.002)
+        return super().exists(path)
+
+
+def test_one_slow_probe_keeps_the_batch_on_this_thread(make_store: StoreFactory) -> None:
+    """A local disk whose first probe stalled once is still probed in one loop on this thread
+    (handing 254 microsecond probes to the I/O threads costs more than it overlaps)."""
+    fio = OneSlowProbe()
+    group = make_store(fio=fio, io_threads=4).namespace(make_small_identity()).group(0)
+    assert group.contains([block_hash(i, "one-slow") for i in range(64)]) == [False] * 64
+    assert fio.threads == {threading.current_thread().name}
