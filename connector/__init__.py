@@ -9,14 +9,17 @@ Entry points (loaded by vLLM by name; see docs/vllm.md):
   reporting;
 * :class:`connector.spec.KVStoreSpec` - ``"spec_name": "KVStoreSpec"``,
   ``"spec_module_path": "connector"`` in ``kv_connector_extra_config``;
-* :func:`kv_transfer_config` - the ``--kv-transfer-config`` object for a store root.
+* :func:`kv_transfer_config` - the ``--kv-transfer-config`` object for a store root;
+* :class:`connector.tier.KVStoreTier` - ``{"type": "KVStoreTier", "module_path":
+  "connector.tier", ...}`` in ``secondary_tiers`` of vLLM 0.33's ``TieringOffloadingSpec``
+  (the store behind vLLM's CPU tier; :mod:`connector.tier`).
 
 Modules: ``config`` (connector keys), ``facts`` (what is read from vLLM's configs),
 ``identity`` (namespace identity, OffloadKey mapping), ``rank`` (parallel layout and tensor
 form of a worker), ``transfer_specs`` (the picklable load/store job specs the scheduler sends
 the workers), ``manager`` (scheduler side), ``worker`` / ``executor`` (the job threads) /
 ``streams`` (worker side), ``spec`` and ``vllm_connector`` (what vLLM loads), ``compat``
-(what differs between vLLM versions).
+(what differs between vLLM versions), ``tier`` (the secondary tier: its own modules).
 
 The library (``kvstore``) never imports vLLM; this package holds every vLLM import of the
 project. Importing ``connector`` itself does not import vLLM (entry points resolve lazily).
