@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore import ConfigError, StoreConfig
-from kvstore.config import strict_int
+from kvstore.config import strict_bool, strict_int
 
 # Keys of kv_connector_extra_config that vLLM 0.33 itself reads (offloading/config.py,
 # kv_offload/base.py, offloading/scheduler.py, kv_offload/factory.py); 0.32 reads all of them
@@ -84,22 +84,18 @@ class ConnectorConfig:
     kv_events_locality: str = "LOCAL"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.store, StoreConfig):
-            raise ConfigError(f"store: expected a StoreConfig, got {self.store!r}")
-        for name in ("model_name", "model_revision"):
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(f"{name}: expected a string, got {getattr(self, name)!r}")
-        for name, low, high in (
-            ("probe_batch", 1, 1 << 20),
-            ("probe_threads", 1, 64),
-            ("index_capacity", 1, 1 << 40),
-            ("worker_threads", 1, 64),
-            ("admit_after", 1, 1 << 20),
-            ("max_pending_store_bytes", 1, 1 << 50),
-        ):
-            value = getattr(self, name)
-            if not _is_int(value) or not low <= value <= high:
-                raise ConfigError(f"{name}: expected an int in [{low}, {high}], got {value!r}")
+        check_fields(
+            self,
+            strings=("model_name", "model_revision"),
+            ints=(
+                ("probe_batch", 1, 1 << 20),
+                ("probe_threads", 1, 64),
+                ("index_capacity", 1, 1 << 40),
+                ("worker_threads", 1, 64),
+                ("admit_after", 1, 1 << 20),
+                ("max_pending_store_bytes", 1, 1 << 50),
+            ),
+        )
         for name in ("miss_ttl_s", "write_backoff_s"):
             value = getattr(self, name)
             if not _is_number(value) or not 0 <= value < math.inf:
@@ -129,31 +125,61 @@ class ConnectorConfig:
             raise ConfigError(
                 f"kv_connector_extra_config: expected a JSON object, got {type(extra).__name__}"
             )
-        unknown = sorted(str(k) for k in extra if k not in cls.accepted_keys())
-        if unknown:
-            raise ConfigError(
-                f"kv_connector_extra_config: unknown key(s) {unknown}; accepted keys: "
-                f"{cls.accepted_keys()}"
-            )
-        if "root" not in extra:
-            raise ConfigError(
-                "kv_connector_extra_config: expected 'root' (the kvstore directory, e.g. "
-                '"/mnt/kvcache"), got none'
-            )
-        store_keys = set(StoreConfig.field_names())
-        store = StoreConfig.from_mapping({k: v for k, v in extra.items() if k in store_keys})
-        values: dict[str, Any] = {}
+        store = parse_store_keys("kv_connector_extra_config", extra, cls.accepted_keys())
         defaults = cls(store=store)
-        for name in cls.connector_keys():
-            if name in extra:
-                values[name] = _convert(name, extra[name], getattr(defaults, name))
+        values: dict[str, Any] = {
+            name: convert_like(name, extra[name], getattr(defaults, name))
+            for name in cls.connector_keys()
+            if name in extra
+        }
         return dataclasses.replace(defaults, **values)
 
 
-def _convert(name: str, value: object, default: object) -> object:
+def parse_store_keys(
+    where: str, options: Mapping[str, Any], accepted: list[str], base: StoreConfig | None = None
+) -> StoreConfig:
+    """The store's keys among ``options`` (a flat entry of ``where``: vLLM's extra config, a
+    tier entry) as a :class:`StoreConfig` over ``base``; :class:`ConfigError` for a key not in
+    ``accepted`` or a missing ``root``."""
+    unknown = sorted(str(k) for k in options if k not in accepted)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; accepted keys: {accepted}")
+    if "root" not in options:
+        raise ConfigError(
+            f"{where}: expected 'root' (the kvstore directory, e.g. \"/mnt/kvcache\"), got none"
+        )
+    store_keys = set(StoreConfig.field_names())
+    return StoreConfig.from_mapping({k: v for k, v in options.items() if k in store_keys}, base)
+
+
+def check_fields(
+    config: object,
+    strings: Iterable[str],
+    ints: Iterable[tuple[str, int, int]],
+    bools: Iterable[str] = (),
+) -> None:
+    """:class:`ConfigError` naming the first field of ``config`` that is not a string
+    (``strings``), not an int in its range (``ints``: name, low, high) or not a bool
+    (``bools``); ``config.store`` must be a :class:`StoreConfig`."""
+    store = getattr(config, "store", None)
+    if not isinstance(store, StoreConfig):
+        raise ConfigError(f"store: expected a StoreConfig, got {store!r}")
+    for name in strings:
+        if not isinstance(getattr(config, name), str):
+            raise ConfigError(f"{name}: expected a string, got {getattr(config, name)!r}")
+    for name, low, high in ints:
+        value = getattr(config, name)
+        if not _is_int(value) or not low <= value <= high:
+            raise ConfigError(f"{name}: expected an int in [{low}, {high}], got {value!r}")
+    for name in bools:
+        if not isinstance(getattr(config, name), bool):
+            raise ConfigError(f"{name}: expected a bool, got {getattr(config, name)!r}")
+
+
+def convert_like(name: str, value: object, default: object) -> object:
     """``value`` as the type of ``default``; strings from JSON are converted strictly."""
-    if isinstance(default, bool):  # pragma: no cover - no bool connector field today
-        raise ConfigError(f"{name}: cannot convert {value!r}")
+    if isinstance(default, bool):  # before int: a bool is an int
+        return strict_bool(name, value)
     if isinstance(default, int):
         return strict_int(name, value)
     if isinstance(default, float):

@@ -94,6 +94,29 @@ class _ParentIndex:
     seen: int = 0  # entries of the request's key-position table already indexed
 
 
+def parent_key(key: bytes, req_context: ReqContext, tokens_per_block: int) -> bytes | None:
+    """The key of the same vLLM group that ends ``tokens_per_block`` tokens before ``key`` in
+    the request (its parent block), None for a first block or a key the request lacks.
+
+    Shared by the direct connector and the secondary tier (connector.tier); indexed once per
+    request (a :class:`_ParentIndex` in the request's state), then only the new entries."""
+    end = req_context.get_offload_key_position(OffloadKey(key))
+    if end is None or end <= tokens_per_block:
+        return None
+    index = req_context.get_state(_ParentIndex)
+    if index is None:
+        index = _ParentIndex()
+        req_context.set_state(index)
+    # vLLM (0.32, 0.33) records every key's end token in this table (ReqContext has no public
+    # iterator); index the entries added since the last call.
+    positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
+    if len(positions) > index.seen:  # the table only grows, in insertion order
+        for k, pos in islice(positions.items(), index.seen, None):
+            index.by_end[(int.from_bytes(k[-4:], "big"), pos)] = bytes(k)
+        index.seen = len(positions)
+    return index.by_end.get((int.from_bytes(key[-4:], "big"), end - tokens_per_block))
+
+
 class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
     """Scheduler-side index and publisher of one engine's namespace."""
 
@@ -464,21 +487,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
 
     def _parent(self, key: bytes, req_context: ReqContext) -> bytes | None:
         """Block hash of the key that ends one block before ``key`` in this request."""
-        end = req_context.get_offload_key_position(OffloadKey(key))
-        if end is None or end <= self.tokens_per_block:
-            return None
-        index = req_context.get_state(_ParentIndex)
-        if index is None:
-            index = _ParentIndex()
-            req_context.set_state(index)
-        # vLLM (0.32, 0.33) records every key's end token in this table (ReqContext has no public
-        # iterator); index the entries added since the last call.
-        positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
-        if len(positions) > index.seen:  # the table only grows, in insertion order
-            for k, pos in islice(positions.items(), index.seen, None):
-                index.by_end[(int.from_bytes(k[-4:], "big"), pos)] = bytes(k)
-            index.seen = len(positions)
-        parent = index.by_end.get((int.from_bytes(key[-4:], "big"), end - self.tokens_per_block))
+        parent = parent_key(key, req_context, self.tokens_per_block)
         return None if parent is None else self.key_map.split(parent)[1]
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

@@ -230,7 +230,7 @@ def _check_choice(name: str, value: object, choices_type: Any) -> None:
 def _convert(name: str, value: object, default: object) -> object:
     """Convert ``value`` to the type of the field's current value, strictly."""
     if isinstance(default, bool):  # before int: a bool is an int
-        return _to_bool(name, value)
+        return strict_bool(name, value)
     if isinstance(default, int):
         return strict_int(name, value)
     if isinstance(default, Path):  # the root: checked before Path("") turns into "."
@@ -242,7 +242,9 @@ def _convert(name: str, value: object, default: object) -> object:
     raise ConfigError(f"{name}: cannot convert {value!r}")  # pragma: no cover - new field type
 
 
-def _to_bool(name: str, value: object) -> bool:
+def strict_bool(name: str, value: object) -> bool:
+    """``value`` as a bool: a bool or one of 1/true/yes/on, 0/false/no/off (any case); else
+    :class:`ConfigError` naming ``name``. Shared like :func:`strict_int`."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in {"1", "true", "yes", "on"}:

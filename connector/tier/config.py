@@ -19,8 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from connector.config import check_fields, convert_like, parse_store_keys
 from kvstore import ConfigError, StoreConfig
-from kvstore.config import Durability, strict_int
+from kvstore.config import Durability
 
 # The tier's durability default (the store's own default, "full", is the direct connector's).
 TIER_DURABILITY: Durability = "none"
@@ -56,22 +57,16 @@ class TierConfig:
     enable_kv_events: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.store, StoreConfig):
-            raise ConfigError(f"store: expected a StoreConfig, got {self.store!r}")
-        for name in ("model_name", "model_revision", "locality"):
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(f"{name}: expected a string, got {getattr(self, name)!r}")
-        for name, low, high in (
-            ("store_threads", 1, 64),
-            ("load_threads", 1, 64),
-            ("index_capacity", 1, 1 << 40),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise ConfigError(f"{name}: expected an int in [{low}, {high}], got {value!r}")
-        for name in ("default_backpressure", "enable_kv_events"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        check_fields(
+            self,
+            strings=("model_name", "model_revision", "locality"),
+            ints=(
+                ("store_threads", 1, 64),
+                ("load_threads", 1, 64),
+                ("index_capacity", 1, 1 << 40),
+            ),
+            bools=("default_backpressure", "enable_kv_events"),
+        )
         if self.locality and self.locality.upper() not in LOCALITIES:
             raise ConfigError(
                 f"locality: expected one of {list(LOCALITIES)}, got {self.locality!r}"
@@ -91,41 +86,16 @@ class TierConfig:
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> TierConfig:
         """Parse the tier's constructor keywords; :class:`ConfigError` on anything unknown."""
-        unknown = sorted(str(k) for k in options if k not in cls.accepted_keys())
-        if unknown:
-            raise ConfigError(
-                f"kvstore tier (secondary_tiers entry): unknown key(s) {unknown}; accepted "
-                f"keys: {cls.accepted_keys()}"
-            )
-        if "root" not in options:
-            raise ConfigError(
-                "kvstore tier (secondary_tiers entry): expected 'root' (the kvstore "
-                'directory, e.g. "/mnt/kvcache"), got none'
-            )
-        store_keys = set(StoreConfig.field_names())
-        store = StoreConfig.from_mapping(
-            {k: v for k, v in options.items() if k in store_keys},
+        store = parse_store_keys(
+            "kvstore tier (secondary_tiers entry)",
+            options,
+            cls.accepted_keys(),
             base=StoreConfig(durability=TIER_DURABILITY),
         )
-        values: dict[str, Any] = {"store": store}
-        for name in cls.tier_keys():
-            if name not in options:
-                continue
-            value = options[name]
-            if name in ("store_threads", "load_threads", "index_capacity"):
-                values[name] = strict_int(name, value)
-            elif name in ("default_backpressure", "enable_kv_events"):
-                values[name] = _strict_bool(name, value)
-            elif isinstance(value, str):
-                values[name] = value
-            else:
-                raise ConfigError(f"{name}: expected a string, got {value!r}")
-        return cls(**values)
-
-
-def _strict_bool(name: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise ConfigError(f"{name}: expected true or false, got {value!r}")
+        defaults = cls(store=store)
+        values: dict[str, Any] = {
+            name: convert_like(name, options[name], getattr(defaults, name))
+            for name in cls.tier_keys()
+            if name in options
+        }
+        return dataclasses.replace(defaults, **values)

@@ -59,6 +59,7 @@ import connector.spec
 from connector.config import ConnectorConfig
 from connector.facts import current
 from connector.identity import GROUP_ID_BYTES, derive_identity
+from connector.manager import parent_key
 from connector.tier.chunks import ChunkGeometry, build_chunk_map, rows_of
 from connector.tier.config import TierConfig
 from connector.tier.jobs import JobRunner, Outcome
@@ -323,14 +324,9 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
 
     def _parents(self, keys: Sequence[bytes], req_context: ReqContext) -> list[bytes | None]:
         """Block hash of the key ending one block earlier in the request (header field)."""
-        positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
-        by_end = {(bytes(k[-4:]), pos): bytes(k) for k, pos in positions.items()}
         out: list[bytes | None] = []
         for k in keys:
-            end = req_context.get_offload_key_position(OffloadKey(k))
-            parent = None
-            if end is not None and end > self.tokens_per_block:
-                parent = by_end.get((k[-4:], end - self.tokens_per_block))
+            parent = parent_key(k, req_context, self.tokens_per_block)
             where = None if parent is None else split_key(self.key_map, parent)
             out.append(None if where is None else where[1])
         return out

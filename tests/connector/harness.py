@@ -372,6 +372,10 @@ class Engine:
             return True
         return any(rank.worker.jobs_in_flight for rank in self.ranks)
 
+    def settle(self) -> None:
+        """(:meth:`run`, once idle) Finish what the scheduler side still holds back."""
+        self.manager.drain()
+
     def run(self, max_steps: int = 400) -> None:
         """Step until every request finished and every transfer was reported and published."""
         idle = 0
@@ -383,7 +387,7 @@ class Engine:
                 continue
             idle += 1
             if idle >= 3:  # deferred stores are submitted one step late
-                self.manager.drain()
+                self.settle()
                 if not self.busy():
                     return
         raise AssertionError(f"engine still busy after {max_steps} steps")
