@@ -1,0 +1,54 @@
+"""The ``tier`` bench suite on tiny data (a smoke test: figures are not checked, only that every
+system is measured, that each ratio is the quotient of figures of the same run, and that the
+table shows them)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from kvstore.bench import tier  # imports vLLM only when run
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="the tier suite needs vLLM 0.33")
+
+
+def test_tier_suite_measures_every_system_against_the_fs_tier_of_the_same_run(
+    tmp_path: Path,
+) -> None:
+    result = tier.run(tmp_path / "tier", "gemma-3-1b", gib=0, sizes=(16,))
+
+    assert result["model"] == "gemma-3-1b"
+    assert result["blocks"] == 8  # the suite's floor: gib=0 still stores a few blocks
+    rows = {r["system"]: r for r in result["rows"]}
+    assert set(rows) == set(tier.SYSTEMS)
+    for r in rows.values():
+        for figure in ("store_gbs", "promote_gbs", "first_hit_ms"):
+            assert math.isfinite(r[figure]) and r[figure] > 0, (r["system"], figure, r[figure])
+    fs = rows["vllm fs"]
+    for r in rows.values():
+        assert r["store_x"] == pytest.approx(r["store_gbs"] / fs["store_gbs"])
+        assert r["promote_x"] == pytest.approx(r["promote_gbs"] / fs["promote_gbs"])
+        assert r["first_hit_x"] == pytest.approx(fs["first_hit_ms"] / r["first_hit_ms"])
+    assert fs["store_x"] == fs["promote_x"] == fs["first_hit_x"] == 1.0
+
+    lookups = {(r["system"], r["stored"]): r for r in result["lookups"]}
+    assert set(lookups) == {(s, 16) for s in tier.LOOKUP_SYSTEMS}
+    ref = lookups[("vllm fs", 16)]
+    for r in lookups.values():
+        for figure in ("hit_ms", "miss_ms", "call_us"):
+            assert math.isfinite(r[figure]) and r[figure] > 0, (r["system"], figure, r[figure])
+        assert r["hit_x"] == pytest.approx(ref["hit_ms"] / r["hit_ms"])
+        assert r["miss_x"] == pytest.approx(ref["miss_ms"] / r["miss_ms"])
+    assert ref["hit_x"] == ref["miss_x"] == 1.0
+
+    text = tier.table(result).splitlines()
+    assert text[0] == f"gemma-3-1b: 8 blocks of {result['block_bytes'] >> 10} KiB"
+    for system in tier.SYSTEMS:
+        r = rows[system]
+        (line,) = [t for t in text if t.startswith(system) and f"{r['store_gbs']:.2f}" in t]
+        assert f"{r['store_x']:.2f}" in line and f"{r['promote_x']:.2f}" in line
+    for (system, _), r in lookups.items():
+        (line,) = [t for t in text if t.startswith(system) and f"{r['hit_ms']:.1f}" in t]
+        assert f"{r['hit_x']:.2f}" in line and f"{r['miss_x']:.2f}" in line
