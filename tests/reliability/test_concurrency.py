@@ -63,6 +63,7 @@ def test_writers_readers_and_gc_watch(tmp_path: Path) -> None:
         stdout=gc_out.open("w"),
         stderr=subprocess.STDOUT,
     )
+    _wait_for_first_pass(gc, gc_out)
     ctx = fork_context()
     procs: list[tuple[str, Any, Any]] = []
     t0 = time.monotonic()
@@ -142,3 +143,21 @@ def test_writers_readers_and_gc_watch(tmp_path: Path) -> None:
     assert reads.get("hit", 0) > 0 and reads.get("miss", 0) > 0
     assert evicted > 0 and len(passes) > 3
     assert main(["verify", str(root)]) == 0
+
+
+def _wait_for_first_pass(gc: subprocess.Popen[bytes], out: Path, timeout: float = 180.0) -> None:
+    """Block until ``gc --watch`` has printed its first pass.
+
+    Only then are its SIGINT/SIGTERM handlers installed. Its start imports torch (seconds on
+    a loaded machine), and a small-tier run of the writers can finish sooner; the SIGTERM
+    that ends the test then killed gc before it ran a pass (exit -15, no output).
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(line.startswith("{") for line in out.read_text().splitlines()):
+            return
+        if gc.poll() is not None:
+            raise AssertionError(f"gc --watch exited {gc.returncode}: {out.read_text()[-500:]}")
+        time.sleep(0.05)
+    gc.kill()
+    raise AssertionError(f"gc --watch printed no pass in {timeout:.0f} s")
