@@ -149,6 +149,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--layout-gib", type=float, default=None)
     parser.add_argument("--compression-gib", type=float, default=None)
     parser.add_argument("--overhead-blocks", type=int, default=None)
+    parser.add_argument(
+        "--tier-lookup-blocks",
+        default="1000,64000",
+        help="tier suite: stored-block counts at which lookups are timed (comma list)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--markdown", type=Path, default=None, help="write a markdown page (and PNGs next to it)"
@@ -356,7 +361,9 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "scaling": _run_scaling,
     "compression": _run_compression,
     "overhead": _run_overhead,
-    "tier": lambda args, base: tier.run(base / "tier", _names(args.models)[0], args.gib),
+    "tier": lambda args, base: tier.run(
+        base / "tier", _names(args.models)[0], args.gib, _ints(args.tier_lookup_blocks)
+    ),
 }
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "throughput": throughput.table,

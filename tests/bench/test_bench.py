@@ -19,6 +19,7 @@ TINY = [
     "--layouts", "tp=2:tp=1", "--layout-gib", "0.01",
     "--scaling-threads", "1,2", "--scaling-tokens", "16", "--scaling-gib", "0.01",
     "--compression-gib", "0.01", "--overhead-blocks", "50", "--durability", "none",
+    "--tier-lookup-blocks", "16",
 ]  # fmt: skip
 
 
