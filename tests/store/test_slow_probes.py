@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
+import types
 
 import pytest
 
@@ -70,24 +71,36 @@ def test_contains_rejects_a_bad_hash_on_any_path(make_store: StoreFactory) -> No
 
 
 class OneSlowProbe(FileIO):
-    """The first probe is slow (a preemption, a wait for the GIL); the others are local."""
+    """The first probe is slow (a preemption, a wait for the GIL); the others are local.
+
+    Time is this object's clock, read by the lookup in place of ``time.perf_counter``: the
+    first probe advances it by 2 ms, the others by nothing, so the test does not depend on
+    how fast this machine is at the moment (a real second probe on a loaded CI machine took
+    longer than ``SLOW_PROBE_S``)."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.now = 0.0
         self.threads: set[str] = set()
+
+    def clock(self) -> float:
+        return self.now
 
     def exists(self, path: str) -> bool:
         self.calls += 1
         self.threads.add(threading.current_thread().name)
         if self.calls == 1:
-            time.sleep(0.002)
+            self.now += 0.002
         return super().exists(path)
 
 
-def test_one_slow_probe_keeps_the_batch_on_this_thread(make_store: StoreFactory) -> None:
+def test_one_slow_probe_keeps_the_batch_on_this_thread(
+    make_store: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A local disk whose first probe stalled once is still probed in one loop on this thread
     (handing 254 microsecond probes to the I/O threads costs more than it overlaps)."""
     fio = OneSlowProbe()
+    monkeypatch.setattr(lookup, "time", types.SimpleNamespace(perf_counter=fio.clock))
     group = make_store(fio=fio, io_threads=4).namespace(make_small_identity()).group(0)
     assert group.contains([block_hash(i, "one-slow") for i in range(64)]) == [False] * 64
     assert fio.threads == {threading.current_thread().name}
