@@ -35,9 +35,8 @@ import pytest
 import connector.spec
 from connector import metrics as m
 from kvstore import KVStore
-from kvstore.io.fileio import FileIO
-from kvstore.store.paths import TMP_MARK
 
+from .disks import TempWrites
 from .harness import Engine, EngineOptions, prompt
 from .metered import Metered
 
@@ -45,27 +44,17 @@ TOKENS_PER_BLOCK = 256
 BLOCKS_PER_REQUEST = 4
 
 
-class PacedDisk(FileIO):
+class PacedDisk(TempWrites):
     """Writes into temporary block files are paced to ``rate`` bytes/s (0: unpaced)."""
 
     def __init__(self, rate: float) -> None:
+        super().__init__()
         self.rate = rate
         self._next = 0.0
         self._lock = threading.Lock()
-        self._tmp_fds: set[int] = set()
 
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        fd = super().open(path, flags, mode)
-        if TMP_MARK in path and "/c/" in path:
-            self._tmp_fds.add(fd)
-        return fd
-
-    def close(self, fd: int) -> None:
-        self._tmp_fds.discard(fd)
-        super().close(fd)
-
-    def pwritev(self, fd: int, buffers: Any, offset: int) -> int:
-        if self.rate and fd in self._tmp_fds:
+    def on_temp_write(self, buffers: Any) -> None:
+        if self.rate:
             nbytes = sum(memoryview(b).nbytes for b in buffers)
             with self._lock:
                 start = max(self._next, time.monotonic())
@@ -73,7 +62,6 @@ class PacedDisk(FileIO):
             delay = self._next - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-        return super().pwritev(fd, buffers, offset)
 
 
 def run(root: Path, requests: int, rate: float, bound: int) -> dict[str, Any]:

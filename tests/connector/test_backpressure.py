@@ -21,9 +21,8 @@ import connector.spec
 from connector import metrics as m
 from connector.config import ConnectorConfig
 from kvstore import KVStore
-from kvstore.io.fileio import FileIO
-from kvstore.store.paths import TMP_MARK
 
+from .disks import TempWrites
 from .harness import prompt
 from .metered import engine
 from .test_failures import PROMPT
@@ -32,30 +31,19 @@ from .test_failures import PROMPT
 TINY_BLOCK = 4 * 2 * 16 * 2 * 8 * 2
 
 
-class StalledDisk(FileIO):
+class StalledDisk(TempWrites):
     """While :attr:`stalled`, writes into temporary block files wait until :attr:`release`."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.stalled = False
         self.release = threading.Event()
         self.waiting = 0
-        self._tmp_fds: set[int] = set()
 
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        fd = super().open(path, flags, mode)
-        if TMP_MARK in path and "/c/" in path:  # block files, not metadata documents
-            self._tmp_fds.add(fd)
-        return fd
-
-    def close(self, fd: int) -> None:
-        self._tmp_fds.discard(fd)
-        super().close(fd)
-
-    def pwritev(self, fd: int, buffers: Any, offset: int) -> int:
-        if self.stalled and fd in self._tmp_fds and not self.release.is_set():
+    def on_temp_write(self, buffers: Any) -> None:
+        if self.stalled and not self.release.is_set():
             self.waiting += 1
             self.release.wait()
-        return super().pwritev(fd, buffers, offset)
 
 
 def test_stores_past_the_bound_are_dropped_with_the_rest_of_their_batch(

@@ -25,9 +25,9 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
 import connector.spec
 from connector.transfer_specs import KVStoreLoadSpec
 from kvstore import KVStore, StoreConfig, StoreFormatError
-from kvstore.io.fileio import FileIO
 from kvstore.store.paths import TMP_MARK
 
+from .disks import TempWrites
 from .harness import BLOCK, Engine, EngineOptions, prompt
 
 PROMPT = prompt(5 * BLOCK + 3)
@@ -129,27 +129,18 @@ def test_hybrid_model_corrupt_page_recomputes_the_request(tmp_path: Path) -> Non
     engine.shutdown()
 
 
-class FullDisk(FileIO):
+class FullDisk(TempWrites):
     """Block writes into temporary files fail with ENOSPC while ``full`` is set."""
 
+    blocks_only = False
+
     def __init__(self) -> None:
+        super().__init__()
         self.full = False
-        self._tmp_fds: set[int] = set()
 
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        fd = super().open(path, flags, mode)
-        if TMP_MARK in path:
-            self._tmp_fds.add(fd)
-        return fd
-
-    def close(self, fd: int) -> None:
-        self._tmp_fds.discard(fd)
-        super().close(fd)
-
-    def pwritev(self, fd: int, buffers: Any, offset: int) -> int:
-        if self.full and fd in self._tmp_fds:
+    def on_temp_write(self, buffers: Any) -> None:
+        if self.full:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return super().pwritev(fd, buffers, offset)
 
 
 def test_full_disk_drops_stores_and_backs_off(
