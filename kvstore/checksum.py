@@ -5,8 +5,10 @@ names, so stores stay readable when the default changes. Values are unsigned 64-
 (crc32c's 32 bits are zero-extended); 0 is never a valid value of ``wsum64`` (a header slot
 holding 0 means "not written yet" in the multi-writer protocol).
 
-* ``xxh3_64`` (id 1, the host engines' default): ~25+ GB/s per core, 64 bits, releases the GIL
-  on large inputs.
+* ``xxh3_64`` (id 1, the host engines' default): ~25+ GB/s per core, 64 bits. python-xxhash
+  holds the GIL for inputs up to at least 128 KiB, so :func:`chunk_sums` hashes a block's
+  chunks in one call of the small C extension ``kvstore._xxh3batch`` with the GIL released
+  (see "Native batch" below).
 * ``crc32c`` (id 2): hardware CRC, the checksum zarr's sharding index already uses.
 * ``wsum64`` (id 3, the GPUDirect engine's default): a keyed 64-bit weighted word sum that a
   GPU computes where the bytes are, so the GDS engine never copies a chunk to the host just
@@ -33,10 +35,20 @@ Speed: on the CPU ``torch.dot`` over int64 words, up to ~8.5 GB/s on a 4 MiB chu
 2-core development VM (``python -m kvstore.bench.engines --checksum``); xxh3 is ~10x faster
 there, which is why host engines keep xxh3 (``checksum="auto"``). On a GPU it runs at memory
 bandwidth, far above any storage.
+
+Native batch (xxh3_64 only): ``kvstore._xxh3batch`` contains no hash code. It opens
+python-xxhash's already loaded extension module (``dlopen``) and calls the XXH3 function that module
+exports (xxHash's public C API: ``XXH3_64bits_dispatch``, the runtime-SIMD entry point
+python-xxhash itself calls, else ``XXH3_64bits``), once per chunk in a C loop without the GIL.
+It is used only when the extension was built (``pip install`` compiles it; a machine without a
+C compiler still installs), the symbol is found, and a self-test at first use agrees with
+``xxhash.xxh3_64_intdigest`` on every size class of xxh3 and on strided chunks; otherwise one
+log line says why and python-xxhash is called per chunk. The values are the same either way.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -50,6 +62,10 @@ import xxhash
 from kvstore.errors import StoreFormatError
 
 Checksum = Callable[[memoryview], int]
+# kvstore._xxh3batch.sums(data, chunk_nbytes, count, stride, out)
+BatchSums = Callable[[memoryview, int, int, int, memoryview], None]
+
+log = logging.getLogger("kvstore.checksum")
 
 XXH3_64 = 1
 CRC32C = 2
@@ -83,7 +99,7 @@ def checksum_function(algo_id: int) -> Checksum:
 
 def checksum_chunks(algo_id: int, data: memoryview, chunk_nbytes: int, count: int) -> list[int]:
     """Checksums of ``count`` consecutive ``chunk_nbytes`` slices of ``data``."""
-    return [int(x) for x in chunk_sums(algo_id, data, chunk_nbytes, count)]
+    return list(chunk_sums(algo_id, data, chunk_nbytes, count).tolist())
 
 
 def chunk_sums(algo_id: int, data: memoryview, chunk_nbytes: int, count: int) -> np.ndarray:
@@ -91,8 +107,9 @@ def chunk_sums(algo_id: int, data: memoryview, chunk_nbytes: int, count: int) ->
     array (what the header's slots hold, ready to compare or encode).
 
     The hot path of every block write and verified read: a llama-8B block of 16 tokens is 256
-    chunks. The per-chunk calls are driven from C (``map`` over precomputed slices into
-    ``np.fromiter``), so no Python bytecode runs per chunk; what remains per chunk is the
+    chunks. xxh3_64 is one call of the native batch when it is active (no GIL held while it
+    hashes). Otherwise the per-chunk calls are driven from C (``map`` over precomputed slices
+    into ``np.fromiter``), so no Python bytecode runs per chunk; what remains per chunk is the
     checksum function's own call.
     """
     if count and len(data) < count * chunk_nbytes:
@@ -104,6 +121,12 @@ def chunk_sums(algo_id: int, data: memoryview, chunk_nbytes: int, count: int) ->
             return np.zeros(0, dtype=np.uint64)
         rows = _host_tensor(data[: count * chunk_nbytes]).view(count, chunk_nbytes)
         return np.asarray(wsum64_rows(rows), dtype=np.uint64)
+    if algo_id == XXH3_64:
+        native = _native_sums()
+        if native is not None:
+            sums = np.empty(count, dtype=np.uint64)
+            native(data, chunk_nbytes, count, chunk_nbytes, sums.data)
+            return sums
     fn = checksum_function(algo_id)
     pieces = map(data.__getitem__, _chunk_slices(chunk_nbytes, count))
     return np.fromiter(map(fn, pieces), dtype=np.uint64, count=count)
@@ -130,13 +153,93 @@ def checksum_tensor_rows(algo_id: int, rows: torch.Tensor) -> list[int]:
     if algo_id in DEVICE_ALGOS:
         return wsum64_rows(rows)
     host = rows.detach().to("cpu").contiguous().numpy()
-    fn = checksum_function(algo_id)
-    return [fn(memoryview(row)) for row in host]
+    count, nbytes = host.shape
+    return checksum_chunks(algo_id, host.reshape(-1).data, nbytes, count)
 
 
 def crc32c(data: bytes | memoryview) -> int:
     """crc32c of ``data`` (zarr's sharding index checksum, and our header checksum)."""
     return int(_crc32c.crc32c(data))
+
+
+# -- native batch of xxh3_64 ------------------------------------------------------------------
+
+# The bind-time self-test hashes both sides of each of xxh3's internal size classes (0, 1-3,
+# 4-8, 9-16, 17-128, 129-240, > 240 bytes) and a few block-sized inputs.
+SELF_TEST_LENGTHS = (0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 4096, 8192, 65536)
+# Symbols tried in order: python-xxhash's own entry point (runtime SIMD dispatch), then the
+# plain one (both compute the same function; tests/test_native_xxh3.py checks).
+NATIVE_SYMBOLS = ("XXH3_64bits_dispatch", "XXH3_64bits")
+
+_native_lock = threading.Lock()
+# (the batch function or None, why it is not used or None); None until the first use binds.
+_native_state: tuple[BatchSums | None, str | None] | None = None
+
+
+def native_batch_unavailable() -> str | None:
+    """Why the native xxh3 batch is not used (binding it on first call), None when it is."""
+    return _native_binding()[1]
+
+
+def _native_sums() -> BatchSums | None:
+    state = _native_state
+    if state is None:
+        state = _native_binding()
+    return state[0]
+
+
+def _native_binding() -> tuple[BatchSums | None, str | None]:
+    """Bind the native batch once per process; log one line when it is unavailable."""
+    global _native_state  # noqa: PLW0603 - the once-per-process binding
+    with _native_lock:
+        if _native_state is None:
+            sums, why = _bind_native()
+            if why is not None:
+                log.warning("native xxh3 batch unavailable: %s; using python-xxhash per chunk", why)
+            _native_state = (sums, why)
+        return _native_state
+
+
+def _bind_native() -> tuple[BatchSums | None, str | None]:
+    """Import the extension, bind python-xxhash's XXH3 function and self-test it."""
+    try:
+        from kvstore import _xxh3batch  # noqa: PLC0415 - optional: may not be built
+    except ImportError as exc:
+        return None, f"extension kvstore._xxh3batch not built ({exc})"
+    library = getattr(getattr(xxhash, "_xxhash", None), "__file__", None)
+    if not isinstance(library, str):
+        return None, "python-xxhash has no compiled xxhash._xxhash module to bind"
+    problems: list[str] = []
+    for symbol in NATIVE_SYMBOLS:
+        try:
+            _xxh3batch.bind(library, symbol)
+        except OSError as exc:
+            problems.append(str(exc))
+            continue
+        wrong = self_test(_xxh3batch.sums)
+        if wrong is None:
+            return _xxh3batch.sums, None
+        problems.append(f"{symbol} failed its self-test: {wrong}")
+    return None, "; ".join(problems)
+
+
+def self_test(sums: BatchSums) -> str | None:
+    """Where ``sums`` disagrees with ``xxhash.xxh3_64_intdigest`` (None if nowhere): each of
+    :data:`SELF_TEST_LENGTHS` from an odd address, and strided chunks."""
+    data = np.random.default_rng(_SEED).integers(0, 256, size=3 << 16, dtype=np.uint8)
+    view = data.data
+    out = np.zeros(8, dtype=np.uint64)
+    for n in SELF_TEST_LENGTHS:
+        sums(view[1 : 1 + n], n, 1, n, out.data)
+        if int(out[0]) != xxhash.xxh3_64_intdigest(view[1 : 1 + n]):
+            return f"{n} bytes: got {int(out[0]):#x}"
+    size, stride, start = 1000, 4099, 3
+    sums(view[start:], size, len(out), stride, out.data)
+    for i in range(len(out)):
+        at = start + i * stride
+        if int(out[i]) != xxhash.xxh3_64_intdigest(view[at : at + size]):
+            return f"chunk {i} of {size} bytes at a stride of {stride}: got {int(out[i]):#x}"
+    return None
 
 
 # -- wsum64 ----------------------------------------------------------------------------------
