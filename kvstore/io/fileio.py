@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.errors import EntryKindError
-from kvstore.io.entries import describe_kind, not_regular, open_dir_nofollow
+from kvstore.io.entries import describe_kind, not_regular, open_child_dir, open_dir_nofollow
 from kvstore.io.rename import rename_noreplace, rename_noreplace_at
 
 # Linux's IOV_MAX; os.sysconf may not know it everywhere.
@@ -169,6 +169,11 @@ class FileIO:
         """:func:`open_dir_nofollow` (a descriptor; the caller closes it)."""
         return open_dir_nofollow(root, parts, create_mode=create_mode, created=created)
 
+    def open_dir_at(self, dir_fd: int, name: str, where: str) -> int:
+        """:func:`~kvstore.io.entries.open_child_dir`: directory ``name`` in the open directory
+        ``dir_fd`` (``where``: its path, for errors), no link followed; the caller closes it."""
+        return open_child_dir(dir_fd, name, where)
+
     def rename(self, src: str, dst: str) -> None:
         """Atomically give ``src`` the name ``dst``; ``dst`` must not exist (FileExistsError).
 
@@ -197,6 +202,19 @@ class FileIO:
             return False
         if not stat.S_ISREG(mode):
             raise not_regular(path, mode)
+        return True
+
+    def exists_at(self, dir_fd: int, name: str) -> bool:
+        """:meth:`exists` of ``name`` in the open directory ``dir_fd`` (``fstatat`` with
+        ``AT_SYMLINK_NOFOLLOW``): the probe of lookups against a held descriptor of a fan-out
+        directory (:mod:`kvstore.store.fanout_fds`). The error of a name held by anything but a
+        regular file names only ``name``: the caller knows the directory."""
+        try:
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(mode):
+            raise not_regular(name, mode)
         return True
 
     def makedirs(self, path: str, mode: int = 0o700) -> list[str]:
