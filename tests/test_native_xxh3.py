@@ -258,3 +258,32 @@ def test_self_test_catches_a_wrong_function() -> None:
     assert "129 bytes" in str(checksum.self_test(off_by_one))
     assert "stride" in str(checksum.self_test(strided_wrong))
     assert checksum.self_test(good) is None
+
+
+def test_binder_reports_a_missing_symbol(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real binder, asked for a symbol python-xxhash does not export, declines and says
+    why (the extension's current binding is left as it was)."""
+    _native_module()
+    monkeypatch.setattr(checksum, "NATIVE_SYMBOLS", ("XXH3_no_such_symbol",))
+    sums, why = checksum._bind_native()
+    assert sums is None
+    assert why is not None
+    assert "dlsym(XXH3_no_such_symbol)" in why
+    assert checksum.native_batch_unavailable() is None  # the process-wide binding is intact
+    assert chunk_sums(XXH3_64, memoryview(bytes(64)), 8, 8).tolist() == _reference(
+        bytes(64), 8, 8, 8
+    )
+
+
+def test_binder_reports_an_unbuilt_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.import_module
+
+    def no_extension(name: str, package: str | None = None) -> ModuleType:
+        if name == "kvstore._xxh3batch":
+            raise ImportError("No module named 'kvstore._xxh3batch'")
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", no_extension)
+    sums, why = checksum._bind_native()
+    assert sums is None
+    assert why == "extension kvstore._xxh3batch not built (No module named 'kvstore._xxh3batch')"
