@@ -153,7 +153,8 @@ def checksum_tensor_rows(algo_id: int, rows: torch.Tensor) -> list[int]:
     """
     if algo_id in DEVICE_ALGOS:
         return wsum64_rows(rows)
-    host = rows.detach().to("cpu").contiguous().numpy()
+    # As bytes: each row's checksum is of its bytes whatever the element type.
+    host = rows.detach().to("cpu").contiguous().view(torch.uint8).numpy()
     count, nbytes = host.shape
     return checksum_chunks(algo_id, host.reshape(-1).data, nbytes, count)
 

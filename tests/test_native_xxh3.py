@@ -129,6 +129,12 @@ def test_chunk_sums_uses_the_native_batch_for_xxh3(
 def test_checksum_tensor_rows_of_host_rows(noise: bytes) -> None:
     rows = torch.frombuffer(bytearray(noise), dtype=torch.uint8)[: 64 * 1000].view(64, 1000)
     assert checksum.checksum_tensor_rows(XXH3_64, rows) == _reference(noise, 1000, 64, 1000)
+    # Rows of wider elements are checksummed as their bytes (500 bf16 = 1000 bytes).
+    wide = torch.frombuffer(bytearray(noise), dtype=torch.bfloat16)[: 64 * 500].view(64, 500)
+    assert checksum.checksum_tensor_rows(XXH3_64, wide) == _reference(noise, 1000, 64, 1000)
+    half = torch.frombuffer(bytearray(noise), dtype=torch.float16)[: 64 * 500].view(64, 500)
+    assert checksum.checksum_tensor_rows(XXH3_64, half) == _reference(noise, 1000, 64, 1000)
+    assert checksum.checksum_tensor_rows(XXH3_64, rows[:0]) == []
 
 
 @pytest.mark.parametrize(
