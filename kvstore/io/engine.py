@@ -25,6 +25,10 @@ Contract (:class:`Engine`):
   returning when the store is durable, unless ``sync=False``: the caller then syncs the file
   itself (the group store syncs a batch of files after writing them all, so that one journal
   commit covers many files instead of one each).
+* ``write_new_file(path, segments, file_nbytes)``: ``write_file`` of a new file
+  (``exclusive=True``), unsynced, returning its open descriptor, which the caller syncs when it
+  chooses and closes (the group store syncs a batch on the descriptors its write pass holds,
+  instead of opening each file again). On an error the descriptor is closed first.
 * ``finish_file(path, file_nbytes, segments)``: the committer's last writes on a shared
   temporary file, cut to its final size, synced once.
 * ``read_file(path, segments, file_nbytes, touch_if_older_than_ns, allow_trailer, direct)``
@@ -85,6 +89,8 @@ class Engine(Protocol):
         sync: bool = True,
     ) -> None: ...
 
+    def write_new_file(self, path: str, segments: Sequence[Segment], file_nbytes: int) -> int: ...
+
     def finish_file(
         self, path: str, file_nbytes: int, segments: Sequence[Segment] = ()
     ) -> None: ...
@@ -119,6 +125,10 @@ class DeviceEngine(Engine, Protocol):
         exclusive: bool,
         sync: bool = True,
     ) -> None: ...
+
+    def write_new_file(
+        self, path: str, segments: Sequence[AnySegment], file_nbytes: int
+    ) -> int: ...
 
     def finish_file(
         self, path: str, file_nbytes: int, segments: Sequence[AnySegment] = ()

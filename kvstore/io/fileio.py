@@ -136,9 +136,16 @@ class FileIO:
         """Set the file's modification time to now (readers record last use this way)."""
         os.utime(fd)
 
-    def clear_direct(self, fd: int) -> None:
-        """Turn O_DIRECT off on an open descriptor (Linux allows it through F_SETFL)."""
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    def clear_direct(self, fd: int, open_flags: int | None = None) -> None:
+        """Turn O_DIRECT off on an open descriptor (Linux allows it through F_SETFL).
+
+        ``open_flags``: the flags :meth:`open` was given for ``fd``, when the caller knows
+        them. The status flags then follow from them (plus the ones :meth:`open` adds) and
+        one ``fcntl`` does, instead of ``F_GETFL`` then ``F_SETFL``. F_SETFL changes only the
+        status flags (append, async, direct, noatime, nonblock) and ignores the access mode
+        and creation flags in its argument.
+        """
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL) if open_flags is None else open_flags | _OPEN_FLAGS
         fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
 
     def fsync_dir(self, path: str) -> None:

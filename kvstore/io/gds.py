@@ -94,7 +94,12 @@ class GdsEngine(HostEngine):
         if host is not None:
             super().write_file(path, host, file_nbytes, exclusive=exclusive, sync=sync)
         elif exclusive:
-            self._write_new(path, segments, file_nbytes, sync)
+            fd = self._write_new(path, segments, file_nbytes)
+            try:
+                if self.config.durable and sync:
+                    self.fio.fdatasync(fd)
+            finally:
+                self.fio.close(fd)
         else:
             fd = self.fio.open(path, os.O_WRONLY | os.O_CREAT, self.config.file_mode)
             try:
@@ -103,6 +108,13 @@ class GdsEngine(HostEngine):
                     self.fio.fdatasync(fd)
             finally:
                 self.fio.close(fd)
+
+    def write_new_file(self, path: str, segments: Sequence[AnySegment], file_nbytes: int) -> int:
+        """:meth:`HostEngine.write_new_file` of host or device segments."""
+        host = _host_only(segments)
+        if host is not None:
+            return super().write_new_file(path, host, file_nbytes)
+        return self._write_new(path, segments, file_nbytes)
 
     def finish_file(self, path: str, file_nbytes: int, segments: Sequence[AnySegment] = ()) -> None:
         host = _host_only(segments)
@@ -118,9 +130,9 @@ class GdsEngine(HostEngine):
         finally:
             self.fio.close(fd)
 
-    def _write_new(
-        self, path: str, segments: Sequence[AnySegment], file_nbytes: int, sync: bool
-    ) -> None:
+    def _write_new(self, path: str, segments: Sequence[AnySegment], file_nbytes: int) -> int:
+        """A whole new file from device (and host) segments, unsynced; returns its open
+        descriptor (closed before an error propagates)."""
         plan = plan_new_file(  # aligned device memory direct, the rest staged on the device
             [(off, _nbytes(d), _aligned_device(d, off)) for off, d in segments], file_nbytes
         )
@@ -160,10 +172,10 @@ class GdsEngine(HostEngine):
                 write_fully(
                     self.fio, fd, [_to_host(tail, 0, tail.numel())], file_nbytes - tail.numel()
                 )
-            if self.config.durable and sync:
-                self.fio.fdatasync(fd)
-        finally:
+        except BaseException:
             self.fio.close(fd)
+            raise
+        return fd
 
     def _write_in_order(self, path: str, fd: int, segments: Sequence[AnySegment]) -> None:
         """Shared-file writes, one segment after the other (see the module docstring)."""

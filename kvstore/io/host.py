@@ -11,12 +11,15 @@ Contract of an I/O engine (the GPU engines implement the same):
   ``file_nbytes``; when the store is durable it is fdatasync'ed before the call returns,
   unless ``sync=False``: then the caller syncs it (the group store writes a whole batch first
   and syncs it after, so that one journal commit covers many files).
+* :meth:`HostEngine.write_new_file` writes a new file as ``write_file(exclusive=True)`` does,
+  unsynced, and hands its open descriptor to the caller, which syncs it when the batch is
+  written and closes it (no second open per file to sync it).
 * :meth:`HostEngine.read_file` reads segments of a published file after checking its size.
 
 Writes of new whole files use O_DIRECT when the probe at start-up passed: page-aligned
 buffers are passed straight to the kernel and anything else is copied once into a per-thread
 aligned staging buffer; the last partial page is written buffered on the same descriptor
-(O_DIRECT cleared with ``fcntl``), so the file never needs truncating. Partial writes
+(O_DIRECT cleared with one ``fcntl``), so the file never needs truncating. Partial writes
 (several writers per file) and reads are buffered: reads with several threads beat O_DIRECT
 reads on the measured disks, and partial writes touch the header page that other writers
 share.
@@ -84,7 +87,7 @@ def probe_direct_io(directory: Path, mode: str, fio: FileIO = DEFAULT_FILEIO) ->
             fd = fio.open(str(probe), os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_DIRECT)
             try:  # what a block write does: aligned pages direct, then a buffered tail
                 fio.pwritev(fd, [buffer.data], 0)
-                fio.clear_direct(fd)
+                fio.clear_direct(fd, os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_DIRECT)
                 fio.pwritev(fd, [memoryview(b"\0")], ALIGN)
             finally:
                 fio.close(fd)
@@ -157,24 +160,45 @@ class HostEngine:
         sync: bool = True,
     ) -> None:
         """Write ``segments`` into ``path``; see the module docstring for the contract."""
-        if exclusive and self.direct.enabled:
-            self._write_new_direct(path, segments, file_nbytes, sync)
+        if exclusive:
+            fd = self.write_new_file(path, segments, file_nbytes)
+            try:
+                if self.config.durable and sync:
+                    self.fio.fdatasync(fd)
+            finally:
+                self.fio.close(fd)
             return
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else 0)
-        fd = self.fio.open(path, flags, self.config.file_mode)
+        fd = self.fio.open(path, os.O_WRONLY | os.O_CREAT, self.config.file_mode)
         try:
-            end = 0
             for offset, buffers in _coalesce(segments):
                 write_fully(self.fio, fd, buffers, offset)
-                end = max(end, offset + sum(len(b) for b in buffers))
-            if exclusive and end != file_nbytes:  # a new file ends where its last byte went
-                self.fio.ftruncate(fd, file_nbytes)
             # Shared (multi-writer) files are never truncated by a writer: other writers'
             # completion markers may lie past file_nbytes; the committer truncates.
             if self.config.durable and sync:
                 self.fio.fdatasync(fd)
         finally:
             self.fio.close(fd)
+
+    def write_new_file(self, path: str, segments: Sequence[Segment], file_nbytes: int) -> int:
+        """Write the new file ``path`` (``O_EXCL``; ``segments`` tile ``[0, file_nbytes)``),
+        unsynced, and return its open descriptor: the caller syncs it when it chooses and
+        closes it. On an error the descriptor is closed before the exception propagates
+        (the file is left for the caller to remove)."""
+        if self.direct.enabled:
+            return self._write_new_direct(path, segments, file_nbytes)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        fd = self.fio.open(path, flags, self.config.file_mode)
+        try:
+            end = 0
+            for offset, buffers in _coalesce(segments):
+                write_fully(self.fio, fd, buffers, offset)
+                end = max(end, offset + sum(len(b) for b in buffers))
+            if end != file_nbytes:  # a new file ends where its last byte went
+                self.fio.ftruncate(fd, file_nbytes)
+        except BaseException:
+            self.fio.close(fd)
+            raise
+        return fd
 
     def finish_file(self, path: str, file_nbytes: int, segments: Sequence[Segment] = ()) -> None:
         """The committer's step on a shared temporary file: write its last ``segments``, cut it
@@ -189,10 +213,9 @@ class HostEngine:
         finally:
             self.fio.close(fd)
 
-    def _write_new_direct(
-        self, path: str, segments: Sequence[Segment], file_nbytes: int, sync: bool
-    ) -> None:
-        """O_DIRECT write of a whole new file (:mod:`kvstore.io.newfile` plans it)."""
+    def _write_new_direct(self, path: str, segments: Sequence[Segment], file_nbytes: int) -> int:
+        """O_DIRECT write of a whole new file (:mod:`kvstore.io.newfile` plans it); returns
+        the open descriptor (:meth:`write_new_file`)."""
         plan = plan_new_file(
             [(offset, len(data), is_aligned(data)) for offset, data in segments], file_nbytes
         )
@@ -216,18 +239,22 @@ class HostEngine:
             segments[i][1] if i >= 0 else place(start, end).data for i, start, end in plan.writes
         ]
         tail = place(*plan.tail).data if plan.tail else memoryview(b"")
-        fd = self.fio.open(
-            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, self.config.file_mode
-        )
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT
+        fd = self.fio.open(path, flags, self.config.file_mode)
         try:
             write_fully(self.fio, fd, iovecs, 0)
             if len(tail):
-                self.fio.clear_direct(fd)  # F_SETFL: clearing O_DIRECT cannot be refused
+                # One F_SETFL with the flags the file was opened with (no F_GETFL): clearing
+                # O_DIRECT cannot be refused. Sending the last page padded, direct, and
+                # truncating instead saves a call but costs more on ext4 (a shrinking
+                # truncate puts the inode on the journal's orphan list: +25 % per 8 KiB file
+                # unsynced on this VM's disk; docs/performance.md).
+                self.fio.clear_direct(fd, flags)
                 write_fully(self.fio, fd, [tail], file_nbytes - len(tail))
-            if self.config.durable and sync:
-                self.fio.fdatasync(fd)
-        finally:
+        except BaseException:
             self.fio.close(fd)
+            raise
+        return fd
 
     # -- reads ------------------------------------------------------------------------------
 

@@ -18,7 +18,9 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -37,10 +39,27 @@ from kvstore.store.types import BlockWrite, WriteResult, WriteStatus
 
 log = logging.getLogger("kvstore")
 
-# A publish step's outcome: status, the directory to sync, the identity of the file published.
-Published = tuple[WriteStatus, str | None, FileId | None]
+T = TypeVar("T")
+
+
+@dataclass
+class Written:
+    """A temporary block file the first pass of :meth:`Publisher.write_blocks` wrote, with
+    its descriptor while the batch holds it (durable stores: the file is synced on it, and
+    its identity is read from it only if a directory sync fails); None once closed."""
+
+    tmp: str
+    fd: int | None
+
+
+# A publish step's outcome: status, the directory to sync, the file published: its identity,
+# or the written file whose descriptor tells it (None when the store is not durable).
+Published = tuple[WriteStatus, str | None, FileId | Written | None]
 
 _ZEROS = memoryview(bytes(fmt.ALIGN))
+# Most temporary-file descriptors one write_blocks call holds at once (one per block of a
+# slice of the batch): far below any descriptor limit, far above a scheduler step's blocks.
+MAX_HELD_FILES = 256
 
 
 def new_token() -> str:
@@ -74,16 +93,35 @@ class Publisher:
         of them are written lets the file system commit its journal once for many files
         rather than once per file (about +10-20 % write throughput with 2 MiB blocks, 4
         threads, ext4; see docs/performance.md).
+
+        A durable store keeps each temporary file's descriptor open from its write to the
+        end of the batch: the file is synced on it (not opened again), and its identity,
+        needed only to withdraw it if its directory sync fails, is read from it then (no
+        ``lstat`` per block). At most :data:`MAX_HELD_FILES` are held: a larger batch goes
+        by slices, each slice's files giving up their descriptors (after one ``fstat`` each)
+        before the next is written.
         """
         self.array.check_writable()
         engine = self.array.engine
-        staged = engine.map(self._write_one, writes)
-        results = engine.map(self._publish, staged)
-        return self.finish_writes(results, [w.block_hash for w in writes])
+        results: list[Published | BaseException] = []
+        held: list[Written] = []
+        try:
+            for start in range(0, len(writes), MAX_HELD_FILES):
+                if held:  # a later slice: release the earlier one's descriptors first
+                    results = [self._release(r) for r in results]
+                    self._close_all(held)
+                    held = []
+                staged = engine.map(self._write_one, writes[start : start + MAX_HELD_FILES])
+                held = [w for w in staged if isinstance(w, Written) and w.fd is not None]
+                results += engine.map(self._publish, staged)
+            return self.finish_writes(results, [w.block_hash for w in writes])
+        finally:
+            self._close_all(held)
 
-    def _write_one(self, req: BlockWrite) -> str | None:
+    def _write_one(self, req: BlockWrite) -> Written | None:
         """First pass of :meth:`write_blocks`: the block's temporary file, written but not
-        synced; None when the block is already published."""
+        synced (its descriptor open when the store is durable); None when the block is
+        already published."""
         array = self.array
         block_hash = check_hash(req.block_hash)
         final = array.block_path(block_hash)
@@ -124,29 +162,63 @@ class Publisher:
                     segments.append((layout.chunk_offset(c), chunk))
                     segments.append((layout.chunk_offset(c) + layout.chunk_nbytes, pad))
             segments.append((layout.data_end, self._index))
+        size = layout.file_nbytes if file_nbytes is None else file_nbytes
         try:
-            self.write_file(tmp, segments, exclusive=True, file_nbytes=file_nbytes, sync=False)
+            fd = self._recreating_fan_out(tmp, lambda: self._engine_write_new(tmp, segments, size))
         except BaseException:
             array.remove_quietly(tmp)
             raise
-        return tmp
+        if not array.engine.config.durable:
+            try:
+                self._fio.close(fd)
+            except BaseException:
+                array.remove_quietly(tmp)
+                raise
+            return Written(tmp, None)
+        return Written(tmp, fd)
 
-    def _publish(self, staged: str | BaseException | None) -> Published:
-        """Second pass of :meth:`write_blocks`: sync a written temporary file, then give it
-        its name (never replacing one: FileIO.rename)."""
+    def _publish(self, staged: Written | BaseException | None) -> Published:
+        """Second pass of :meth:`write_blocks`: sync a written temporary file on its open
+        descriptor, then give it its name (never replacing one: FileIO.rename)."""
         if isinstance(staged, BaseException):
             raise staged  # the first pass failed: reported as this block's result
         if staged is None:
             return WriteStatus.EXISTS, None, None
-        final = final_path_of(staged)
+        final = final_path_of(staged.tmp)
         try:
-            if self.array.engine.config.durable:
-                self.sync_file(staged)
-            published = self.publish_name(staged, final)
+            if staged.fd is not None:
+                self._fio.fdatasync(staged.fd)
+            self._fio.rename(staged.tmp, final)
         except BaseException:
-            self.array.remove_quietly(staged)
+            self.array.remove_quietly(staged.tmp)
             raise
-        return WriteStatus.WRITTEN, os.path.dirname(final), published
+        # The identity of a durable store's file is read from its descriptor if ever needed.
+        return (
+            WriteStatus.WRITTEN,
+            os.path.dirname(final),
+            staged if staged.fd is not None else None,
+        )
+
+    def _release(self, result: Published | BaseException) -> Published | BaseException:
+        """``result`` with a held file's identity read (``fstat``) so that its descriptor can
+        be closed; a file whose ``fstat`` fails could not be withdrawn: an error."""
+        if isinstance(result, BaseException) or not isinstance(result[2], Written):
+            return result
+        fd = result[2].fd
+        assert fd is not None  # held descriptors are closed only after their release
+        try:
+            return result[0], result[1], file_id(self._fio.fstat(fd))
+        except OSError as exc:
+            return exc
+
+    def _close_all(self, held: Sequence[Written]) -> None:
+        """Close the descriptors a batch holds (each once; errors of a close are moot: the
+        files were synced on them or are being given up)."""
+        for written in held:
+            if written.fd is not None:
+                fd, written.fd = written.fd, None
+                with contextlib.suppress(OSError):
+                    self._fio.close(fd)
 
     # -- steps shared with the multi-writer protocol -----------------------------------------
 
@@ -220,10 +292,17 @@ class Publisher:
         ran), the write fails instead of resurrecting a namespace without its metadata.
         ``file_nbytes``: the file's size when it is not the raw layout's (compressed blocks).
         """
+        size = self.array.layout.file_nbytes if file_nbytes is None else file_nbytes
+        self._recreating_fan_out(
+            path, lambda: self._engine_write(path, segments, size, exclusive, sync)
+        )
+
+    def _recreating_fan_out(self, path: str, write: Callable[[], T]) -> T:
+        """``write()`` into ``path``; if its fan-out directory is gone, recreated and again
+        (see :meth:`write_file`)."""
         array = self.array
-        size = array.layout.file_nbytes if file_nbytes is None else file_nbytes
         try:
-            self._engine_write(path, segments, size, exclusive, sync)
+            return write()
         except FileNotFoundError:
             if not self._fio.exists(f"{array.array_path}{os.sep}{ZARR_JSON}"):
                 raise KvstoreError(
@@ -236,7 +315,7 @@ class Publisher:
             self._fio.close(array.open_dir(os.path.dirname(path), created))
             if array.engine.config.durable:
                 sync_parents(self._fio, created)
-            self._engine_write(path, segments, size, exclusive, sync)
+            return write()
 
     def _engine_write(
         self, path: str, segments: Sequence[AnySegment], size: int, exclusive: bool, sync: bool
@@ -249,6 +328,15 @@ class Publisher:
         device = self.array.device_engine
         assert device is not None  # data() keeps tensors only for such engines
         device.write_file(path, segments, size, exclusive=exclusive, sync=sync)
+
+    def _engine_write_new(self, path: str, segments: Sequence[AnySegment], size: int) -> int:
+        """:meth:`_engine_write` of a new file, returning its open descriptor unsynced."""
+        host = host_segments(segments)
+        if host is not None:
+            return self.array.engine.write_new_file(path, host, size)
+        device = self.array.device_engine
+        assert device is not None  # data() keeps tensors only for such engines
+        return device.write_new_file(path, segments, size)
 
     def sync_file(self, path: str) -> None:
         """fdatasync a file written (unsynced) earlier in the batch."""
@@ -279,7 +367,7 @@ class Publisher:
         out: list[WriteResult] = []
         dirs: set[str] = set()
         failures: list[str] = []
-        published: dict[int, FileId | None] = {}
+        published: dict[int, FileId | Written | None] = {}
         for i, (result, block_hash) in enumerate(zip(results, hashes, strict=True)):
             if isinstance(result, FileExistsError) and result.filename2 == array.block_path(
                 block_hash
@@ -322,7 +410,7 @@ class Publisher:
         ordered: list[str],
         hashes: Sequence[bytes],
         out: list[WriteResult],
-        published: dict[int, FileId | None],
+        published: dict[int, FileId | Written | None],
     ) -> list[str]:
         """Fsync the directories of a batch; blocks in one that failed are withdrawn."""
         synced = self.array.engine.map(self._fio.fsync_dir, ordered)
@@ -341,12 +429,15 @@ class Publisher:
                 out[i] = WriteResult(WriteStatus.FAILED, message)
         return [message]
 
-    def _withdraw(self, path: str, published: FileId | None) -> None:
+    def _withdraw(self, path: str, published: FileId | Written | None) -> None:
         """Remove the file this process published at ``path``, if the name still holds it
         (another node may have removed it and published its own copy meanwhile)."""
         if published is None:
             return  # not durable: no directory sync, nothing withdrawn
         with contextlib.suppress(OSError):
+            if isinstance(published, Written):
+                assert published.fd is not None  # held until the batch's directory syncs end
+                published = file_id(self._fio.fstat(published.fd))
             remove_if_same(self._fio, None, path, published)
 
 

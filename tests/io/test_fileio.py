@@ -4,6 +4,7 @@ published temporary names hash like their final names (GlusterFS placement, issu
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvstore.config import StoreConfig
-from kvstore.io.fileio import IOV_MAX, FileIO, read_fully, write_fully
+from kvstore.io.fileio import IOV_MAX, O_DIRECT, FileIO, read_fully, write_fully
 from kvstore.store.page_store import KVStore
 from kvstore.store.types import BlockWrite, ChunkWrite, WriteStatus
 from tests.helpers import block_bytes, block_hash, make_small_identity
@@ -188,3 +189,26 @@ def test_published_temporary_names_hash_like_their_final_names(
         assert match is not None and match.group(1) == os.path.basename(dst), (src, dst)
     # The regex leaves final names alone (they hash as themselves).
     assert all(regex.match(os.path.basename(dst)) is None for dst in published)
+
+
+@pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT on this platform")
+def test_clear_direct_from_known_open_flags_leaves_the_same_status_flags(tmp_path: Path) -> None:
+    """One F_SETFL built from the flags the file was opened with (the block write's tail step)
+    leaves exactly the status flags that F_GETFL-then-F_SETFL leaves: O_DIRECT off, the
+    O_NONBLOCK :meth:`FileIO.open` adds kept."""
+    fio = FileIO()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT
+    status: list[int] = []
+    for name, known in (("read", None), ("known", flags)):
+        try:
+            fd = fio.open(str(tmp_path / name), flags)
+        except OSError as exc:  # a file system refusing O_DIRECT (tmpfs before Linux 6.6)
+            pytest.skip(f"O_DIRECT open refused here: {exc}")
+        try:
+            assert fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT
+            fio.clear_direct(fd, known)
+            status.append(fcntl.fcntl(fd, fcntl.F_GETFL))
+        finally:
+            fio.close(fd)
+    assert status[0] == status[1]
+    assert not status[1] & O_DIRECT and status[1] & os.O_NONBLOCK

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,10 +28,18 @@ from tests.helpers import (
 )
 
 
+class WriteRecordingFileIO(RecordingFileIO):
+    """RecordingFileIO that also records every ``pwritev`` (with the file written)."""
+
+    def pwritev(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+        self._record("pwritev", self.path_of_fd(fd))
+        return super().pwritev(fd, buffers, offset)
+
+
 def recording_group(
     make_store: StoreFactory, durability: str, direct_io: str = "auto"
 ) -> tuple[GroupStore, RecordingFileIO]:
-    fio = RecordingFileIO()
+    fio = WriteRecordingFileIO()
     store = make_store(fio=fio, durability=durability, direct_io=direct_io)
     group = store.namespace(make_small_identity()).group(0)
     fio.clear()  # only the block operations from here on
@@ -63,23 +73,25 @@ def test_full_durability_whole_blocks(make_store: StoreFactory, direct_io: str) 
     ops = fio.ops
     for h in hashes:
         final = group.path_of(h)
-        # Opened twice: to write it, then (once the whole batch is written) to sync it.
-        tmps = {o[1] for o in ops if o[0] == "open" and o[1].startswith(temp_path_for(final, ""))}
-        (tmp,) = tmps
-        written = min(i for i, o in enumerate(ops) if o == ("close", tmp, ""))
+        # Opened once: written, then (once the whole batch is written) synced on the same
+        # descriptor, renamed, and closed only after its directory's sync.
+        opens = [o[1] for o in ops if o[0] == "open" and o[1].startswith(temp_path_for(final, ""))]
+        (tmp,) = opens
+        written = max(i for i, o in enumerate(ops) if o == ("pwritev", tmp, ""))
         synced = index_of(ops, "fdatasync", tmp)
         renamed = index_of(ops, "rename", tmp, final)
         dir_synced = index_of(ops, "fsync_dir", os.path.dirname(final))
-        assert written < synced < renamed < dir_synced
+        closed = index_of(ops, "close", tmp)
+        assert written < synced < renamed < dir_synced < closed
     # The whole batch is written before any of it is synced (one journal commit for many
-    # files): every temporary file's first close (end of its writes) precedes the first sync.
-    first_closes: dict[str, int] = {}
+    # files): every temporary file's last write precedes the first sync.
+    last_writes: dict[str, int] = {}
     for i, o in enumerate(ops):
-        if o[0] == "close" and TMP_MARK in o[1]:
-            first_closes.setdefault(o[1], i)
-    assert len(first_closes) == len(hashes)
+        if o[0] == "pwritev" and TMP_MARK in o[1]:
+            last_writes[o[1]] = i
+    assert len(last_writes) == len(hashes)
     first_sync = min(i for i, o in enumerate(ops) if o[0] == "fdatasync")
-    assert max(first_closes.values()) < first_sync
+    assert max(last_writes.values()) < first_sync
     assert len([o for o in ops if o[0] == "fdatasync"]) == len(hashes)
     # The directory fsync is batched: once per fan-out directory per call, after all renames.
     dir_syncs = [o[1] for o in ops if o[0] == "fsync_dir"]

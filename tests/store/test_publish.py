@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvstore.io.fileio import FileIO
+from kvstore.store import publish
 from kvstore.store.group_store import GroupStore
 from kvstore.store.paths import TMP_MARK, ZARR_JSON, temp_path_for
 from kvstore.store.types import (
@@ -86,11 +87,11 @@ class FaultyFileIO(FileIO):
             return 0
         return super().pwritev(fd, buffers, offset)
 
-    def clear_direct(self, fd: int) -> None:
+    def clear_direct(self, fd: int, open_flags: int | None = None) -> None:
         if self._hit(fd) and self.fault == "tail":
             self._count()
             raise OSError(errno.EIO, "injected EIO before the buffered tail write")
-        super().clear_direct(fd)
+        super().clear_direct(fd, open_flags)
 
     def fdatasync(self, fd: int) -> None:
         if self._hit(fd) and self.fault == "fdatasync":
@@ -106,10 +107,10 @@ class FaultyFileIO(FileIO):
 
 
 def faulty_group(
-    make_store: StoreFactory, fault: str, direct_io: str, target: str = ""
+    make_store: StoreFactory, fault: str, direct_io: str, target: str = "", durability: str = ""
 ) -> tuple[GroupStore, FaultyFileIO]:
     fio = FaultyFileIO(fault, target)
-    durability = "full" if fault == "fdatasync" else "none"
+    durability = durability or ("full" if fault == "fdatasync" else "none")
     # "tail": O_DIRECT writes end with a buffered write of the file's unaligned last page
     # (every format v1 file has one: the index ends it); buffered writes have no such step.
     store = make_store(fio=fio, direct_io=direct_io, durability=durability)
@@ -126,6 +127,7 @@ def assert_invisible(group: GroupStore, hashes: list[bytes], root: Path) -> None
         assert not Path(group.path_of(h)).exists()
 
 
+@pytest.mark.parametrize("durability", ["none", "full"])
 @pytest.mark.parametrize("direct_io", ["off", "auto"])
 @pytest.mark.parametrize("fault", FAULTS)
 def test_failed_write_is_invisible(
@@ -134,10 +136,13 @@ def test_failed_write_is_invisible(
     caplog: pytest.LogCaptureFixture,
     fault: str,
     direct_io: str,
+    durability: str,
 ) -> None:
     if fault == "tail" and direct_io == "off":
         pytest.skip("buffered writes have no separate tail step")
-    group, fio = faulty_group(make_store, fault, direct_io)
+    if fault == "fdatasync" and durability == "none":
+        pytest.skip("durability none never syncs a block file")
+    group, fio = faulty_group(make_store, fault, direct_io, durability=durability)
     hashes = [block_hash(i, fault) for i in range(3)]
     datas = [block_bytes(group.layout, i) for i in range(3)]
     with caplog.at_level(logging.WARNING, logger="kvstore"):
@@ -151,6 +156,7 @@ def test_failed_write_is_invisible(
     assert group.stats.snapshot()["blocks_written"] == 0
     assert_invisible(group, hashes, root)
     assert shard_files(root) == []
+    assert fio._fds == set()  # no temporary file's descriptor is left open
 
     # Once the fault is gone the same blocks are written normally (no stale leftovers).
     fio.armed = False
@@ -280,3 +286,64 @@ def test_concurrent_reader_sees_miss_or_verified_hit(make_store: StoreFactory) -
     assert partial_views >= n // batch - 1  # it really read while blocks were appearing
     assert reader.stats.snapshot()["corrupt"] == 0
     assert reader.contains(hashes) == [True] * n
+
+
+class HeldDescriptors(FileIO):
+    """Counts the temporary block files open at once; fails every directory sync on demand."""
+
+    def __init__(self) -> None:
+        self.open_now: set[int] = set()
+        self.most_open = 0
+        self.fail_dir_syncs = False
+        self._lock = threading.Lock()
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        fd = super().open(path, flags, mode)
+        if TMP_MARK in path and ZARR_JSON not in path:
+            with self._lock:
+                self.open_now.add(fd)
+                self.most_open = max(self.most_open, len(self.open_now))
+        return fd
+
+    def close(self, fd: int) -> None:
+        with self._lock:
+            self.open_now.discard(fd)
+        super().close(fd)
+
+    def fsync_dir(self, path: str) -> None:
+        if self.fail_dir_syncs:
+            raise OSError(errno.EIO, "injected EIO in directory fsync", path)
+        super().fsync_dir(path)
+
+
+@pytest.mark.parametrize("direct_io", ["off", "auto"])
+def test_a_large_batch_holds_a_bounded_number_of_descriptors(
+    make_store: StoreFactory, root: Path, monkeypatch: pytest.MonkeyPatch, direct_io: str
+) -> None:
+    """A durable batch keeps its temporary files open from write to directory sync, at most
+    MAX_HELD_FILES at once; files of earlier slices (their descriptors given up) and of the
+    last one (still held) are all withdrawn when their directory sync fails."""
+    monkeypatch.setattr(publish, "MAX_HELD_FILES", 2)
+    fio = HeldDescriptors()
+    store = make_store(fio=fio, durability="full", direct_io=direct_io)
+    group = store.namespace(make_small_identity()).group(0)
+    hashes = [block_hash(i, "held") for i in range(5)]
+    datas = [block_bytes(group.layout, 20 + i) for i in range(5)]
+    writes = [BlockWrite(h, d) for h, d in zip(hashes, datas, strict=True)]
+
+    fio.fail_dir_syncs = True
+    results = group.write_blocks(writes)
+    assert [r.status for r in results] == [WriteStatus.FAILED] * 5
+    assert all("directory fsync failed" in r.error for r in results), results
+    assert group.contains(hashes) == [False] * 5
+    assert fio.most_open == 2 and fio.open_now == set()
+    assert tmp_files(root) == [] and shard_files(root) == []
+
+    fio.fail_dir_syncs = False
+    results = group.write_blocks(writes)
+    assert [r.status for r in results] == [WriteStatus.WRITTEN] * 5
+    assert fio.most_open == 2 and fio.open_now == set()
+    for h, d in zip(hashes, datas, strict=True):
+        out = np.zeros(group.layout.block_nbytes, dtype=np.uint8)
+        assert group.read_blocks([BlockRead(h, out)])[0].ok
+        np.testing.assert_array_equal(out, d)
