@@ -27,11 +27,14 @@ fan-out root by path, one system call per call, and compares it with the held de
 
 Timestamps are coarse (a kernel tick; a second on some file systems), so a change in the same
 tick as the recorded times would go unseen: times younger than :data:`RACY_S` when recorded
-are not trusted (the next call drops the fan-out descriptors again), and no fan-out
-descriptor is kept longer than :data:`MAX_AGE_S` whatever the times say (a server whose
-clock runs behind). A false miss therefore lasts at most :data:`MAX_AGE_S`; a false hit
-cannot happen: a probe goes through a directory that was at its path when the call began
-(only a removed directory's descriptor can be stale, and a removed directory is empty).
+are not trusted (every call then reopens the fan-out descriptors, as just after a namespace
+was created), and no fan-out descriptor is used longer than :data:`MAX_AGE_S` whatever the
+times say (a file server whose clock runs behind ours). So a false miss lasts at most
+:data:`MAX_AGE_S`. A false hit through the fan-out root cannot happen (its identity is checked
+by every call, and while it is held its inode number cannot be reused); through a fan-out
+directory it would take that directory moved elsewhere (not removed: a removed directory is
+empty) unseen by the times, which kvstore never does, for at most :data:`MAX_AGE_S`, and a
+read checks the block's key in its header anyway.
 
 Threads: lookups may run on several threads at once. A dropped descriptor is closed only
 once no call that could still use it is in flight (closing it earlier could let another
@@ -47,12 +50,13 @@ under a low ``RLIMIT_NOFILE``), plus the fan-out root; the oldest is dropped to 
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from time import monotonic  # (a name of this module: tests move its clock)
 
 from kvstore.errors import ConfigError, EntryKindError
 from kvstore.io.fileio import FileIO
@@ -91,17 +95,21 @@ class FanoutDirs:
             raise ConfigError(f"max_held: expected at least 1 descriptor, got {self.max_held}")
         self._lock = threading.Lock()
         self._top: int | None = None  # descriptor of the fan-out root
+        self._top_dev: int | None = None  # its st_dev and st_ino
+        self._top_ino: int | None = None
         self._top_error: OSError | None = None  # why it cannot be used (this call)
-        self._top_id: tuple[int, int] | None = None  # its (st_dev, st_ino)
         self._path_id: tuple[int, int] | None = None  # (st_dev, st_ino) at the path (begin)
-        self._times: tuple[int, int] | None = None  # its (mtime, ctime) when `dirs` began
-        self._trusted = False  # `_times` old enough to detect a change (RACY_S)
-        self._since = 0.0  # monotonic time `dirs` began
+        # The fan-out root's times when the fan-out descriptors began to be opened, and until
+        # when (monotonic) they may be used without a recheck: 0 when the times are too
+        # young to be trusted (RACY_S), so that every call rechecks.
+        self._mtime: int | None = None
+        self._ctime: int | None = None
+        self._expires = 0.0
         #: hash_hi -> descriptor of its fan-out directory. Read without the lock (one dict
         #: lookup is atomic); changed under it.
         self.dirs: dict[int, int] = {}
         self._epoch = 0
-        self._active: Counter[int] = Counter()  # epoch -> calls in flight that began in it
+        self._active: dict[int, int] = {}  # epoch -> calls in flight that began in it
         self._dropped: list[tuple[int, int]] = []  # (epoch, descriptor) waiting to be closed
         self._closed = False
 
@@ -117,32 +125,27 @@ class FanoutDirs:
         try:
             st = self._fio.lstat_at(None, self.path)
         except OSError as exc:
-            found: tuple[tuple[int, int], tuple[int, int]] | OSError = exc
+            found: os.stat_result | OSError = exc
         else:
-            found = ((st.st_dev, st.st_ino), (st.st_mtime_ns, st.st_ctime_ns))
+            found = st
         with self._lock:
-            self._top_error = None
             if isinstance(found, OSError):
                 # Missing (a removed namespace): every probe a miss; EACCES, EIO: an error.
                 self._drop_all()
                 self._top_error = found
             else:
-                identity, times = found
-                self._path_id = identity
-                if identity != self._top_id:
-                    self._drop_all()
-                elif (
-                    times != self._times
-                    or not self._trusted
-                    or time.monotonic() - self._since > MAX_AGE_S
+                self._top_error = None
+                if (
+                    found.st_mtime_ns != self._mtime
+                    or found.st_ctime_ns != self._ctime
+                    or found.st_ino != self._top_ino
+                    or found.st_dev != self._top_dev
+                    or monotonic() > self._expires
                 ):
-                    self._drop_dirs()
-                if self._times is None:
-                    self._times = times
-                    self._trusted = time.time_ns() - max(times) > RACY_S * 1e9
-                    self._since = time.monotonic()
+                    self._recheck(found)
             epoch = self._epoch
-            self._active[epoch] += 1
+            active = self._active
+            active[epoch] = active.get(epoch, 0) + 1
             return epoch
 
     def open(self, hash_hi: int) -> int | None:
@@ -182,20 +185,16 @@ class FanoutDirs:
     def end(self, epoch: int) -> None:
         """A lookup call that began in ``epoch`` is done: close what no call can still use."""
         with self._lock:
-            self._active[epoch] -= 1
-            if not self._active[epoch]:
-                del self._active[epoch]
+            active = self._active
+            left = active[epoch] - 1
+            if left:
+                active[epoch] = left
+            else:
+                del active[epoch]
             if self._closed:
                 self._drop_all()
-            oldest = min(self._active, default=self._epoch + 1)
-            keep = []
-            for dropped_in, fd in self._dropped:
-                if dropped_in < oldest:
-                    with contextlib.suppress(OSError):
-                        self._fio.close(fd)
-                else:
-                    keep.append((dropped_in, fd))
-            self._dropped = keep
+            if self._dropped:
+                self._close_unused()
 
     def close(self) -> None:
         """Close every held descriptor (at once, or when the calls in flight end); a later
@@ -203,7 +202,7 @@ class FanoutDirs:
         with self._lock:
             self._closed = True
             epoch = self._epoch
-            self._active[epoch] += 1
+            self._active[epoch] = self._active.get(epoch, 0) + 1
         self.end(epoch)
 
     # -- with the lock held ----------------------------------------------------------------------
@@ -216,13 +215,34 @@ class FanoutDirs:
             self._fio.close(top)
             raise
         self._top = top
-        self._top_id = (st.st_dev, st.st_ino)
-        if self._top_id != self._path_id:
-            # Not the directory begin() saw at the path (it was replaced meanwhile): its times
-            # say nothing about this one, so the next call reopens the fan-out descriptors.
-            self._times = (st.st_mtime_ns, st.st_ctime_ns)
-            self._trusted = False
-            self._since = time.monotonic()
+        self._top_dev, self._top_ino = st.st_dev, st.st_ino
+        if (st.st_dev, st.st_ino) != self._path_id:
+            # Not the directory begin() saw at the path (it was replaced meanwhile): the times
+            # recorded say nothing about this one, so the next call rechecks.
+            self._expires = 0.0
+
+    def _recheck(self, st: os.stat_result) -> None:
+        """The fan-out root at the path is ``st``: drop what may be stale, record its times."""
+        self._path_id = (st.st_dev, st.st_ino)
+        if self._path_id != (self._top_dev, self._top_ino):
+            self._drop_all()
+        else:
+            self._drop_dirs()
+        self._mtime, self._ctime = st.st_mtime_ns, st.st_ctime_ns
+        trusted = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_S * 1e9
+        self._expires = monotonic() + MAX_AGE_S if trusted else 0.0
+
+    def _close_unused(self) -> None:
+        """Close the dropped descriptors no call in flight began early enough to use."""
+        oldest = min(self._active, default=self._epoch + 1)
+        keep = []
+        for dropped_in, fd in self._dropped:
+            if dropped_in < oldest:
+                with contextlib.suppress(OSError):
+                    self._fio.close(fd)
+            else:
+                keep.append((dropped_in, fd))
+        self._dropped = keep
 
     def _drop_dirs(self) -> None:
         """Drop the fan-out descriptors: closed once the calls in flight are done."""
@@ -230,7 +250,7 @@ class FanoutDirs:
             self._dropped.extend((self._epoch, fd) for fd in self.dirs.values())
             self.dirs = {}
             self._epoch += 1
-        self._times = None
+        self._mtime = self._ctime = None
 
     def _drop_all(self) -> None:
         self._drop_dirs()
@@ -238,7 +258,7 @@ class FanoutDirs:
             self._dropped.append((self._epoch, self._top))
             self._top = None
             self._epoch += 1
-        self._top_id = None
+        self._top_dev = self._top_ino = None
 
 
 def _again(exc: OSError) -> OSError:
