@@ -136,18 +136,21 @@ def header_algo(buf: bytes | bytearray | memoryview, spec: ShardSpec, block_hash
     n = len(block_hash)
     if spec.codec is None and len(buf) >= fmt.HEADER_FIXED_NBYTES:
         prefix, geometry = spec.raw_template
-        view = memoryview(buf)
+        # One copy of the fixed part (176 bytes), then every field is compared in place
+        # (startswith at an offset: no slice object, no memoryview comparison, which goes
+        # element by element) - about half the time of comparing memoryview slices.
+        fixed = bytes(buf[: fmt.HEADER_FIXED_NBYTES])
         if (
-            view[: fmt.HASH_LEN_OFFSET] == prefix
-            and view[fmt.GEOMETRY_OFFSET : fmt.CREATED_OFFSET] == geometry
-            and view[fmt.HASH_OFFSET : fmt.HASH_OFFSET + n] == block_hash
-            and buf[fmt.HASH_LEN_OFFSET] == n
+            fixed.startswith(prefix)
+            and fixed.startswith(geometry, fmt.GEOMETRY_OFFSET)
+            and fixed.startswith(block_hash, fmt.HASH_OFFSET)
+            and fixed[fmt.HASH_LEN_OFFSET] == n
             and 0 < n <= fmt.MAX_HASH
-            and buf[fmt.HASH_LEN_OFFSET + 1] <= fmt.MAX_HASH
-            and crc32c(view[: fmt.CRC_OFFSET])
-            == int.from_bytes(view[fmt.CRC_OFFSET : fmt.CRC_OFFSET + 4], "little")
+            and fixed[fmt.HASH_LEN_OFFSET + 1] <= fmt.MAX_HASH
+            and crc32c(fixed[: fmt.CRC_OFFSET])
+            == int.from_bytes(fixed[fmt.CRC_OFFSET : fmt.CRC_OFFSET + 4], "little")
         ):
-            return int(buf[fmt.ALGO_OFFSET])
+            return fixed[fmt.ALGO_OFFSET]
     return check_header(buf, spec, block_hash).checksum_algo
 
 
@@ -157,6 +160,17 @@ def chunk_checksum(algo: int) -> Checksum:
         return checksum_function(algo)
     except StoreFormatError as exc:
         raise CorruptBlockError(str(exc)) from None
+
+
+# Algorithm ids :func:`chunk_checksum` accepted (a set lookup per block instead of a call).
+_KNOWN_ALGOS: set[int] = set()
+
+
+def check_algo(algo: int) -> None:
+    """:class:`CorruptBlockError` unless ``algo`` is a known checksum algorithm id."""
+    if algo not in _KNOWN_ALGOS:
+        chunk_checksum(algo)
+        _KNOWN_ALGOS.add(algo)
 
 
 def verify_chunks(
@@ -174,26 +188,24 @@ def verify_chunks(
     (:func:`~kvstore.checksum.checksum_tensor_rows`; the caller decides whether that is
     acceptable for ``algo``).
     """
-    chunk_checksum(algo)  # an unknown algorithm id is a corrupt block
+    check_algo(algo)  # an unknown algorithm id is a corrupt block
     size = layout.chunk_nbytes
+    count = len(chunks)
     if isinstance(data, torch.Tensor):
-        rows = data[: len(chunks) * size].view(len(chunks), size)
+        rows = data[: count * size].view(count, size)
         sums = np.asarray(checksum_tensor_rows(algo, rows), dtype=np.uint64)
     else:
-        sums = chunk_sums(algo, data, size, len(chunks))
-    run = isinstance(chunks, range) and chunks.step == 1  # a whole block or a run of chunks
+        sums = chunk_sums(algo, data, size, count)
+    run = type(chunks) is range and chunks.step == 1  # a whole block or a run of chunks
     if run and _LITTLE_ENDIAN:
         # The slots are u64 little endian: compared as bytes with the sums (0.5 µs, against
         # 1.9 for decoding and comparing them); a difference is named by the slow path below.
-        stored = (
-            header[fmt.checksum_slot_offset(chunks[0]) : fmt.checksum_slot_offset(chunks[-1] + 1)]
-            if len(chunks)
-            else b""
-        )
-        if sums.tobytes() == bytes(stored):
+        start = fmt.checksum_slot_offset(chunks[0]) if count else 0
+        if sums.tobytes() == bytes(header[start : start + 8 * count]):
             return
     slots = fmt.decode_checksums(header, layout.num_chunks)
-    if isinstance(chunks, range) and chunks.step == 1:  # a whole block or a run: a view
+    if run:  # a whole block or a run: a view
+        assert isinstance(chunks, range)
         wanted = slots[chunks.start : chunks.stop]
     else:
         wanted = slots[np.asarray(chunks, dtype=np.intp)]
