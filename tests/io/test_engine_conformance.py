@@ -11,6 +11,7 @@ the same bytes and reads every other engine's files.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -413,4 +414,30 @@ def test_compressed_arrays_take_device_buffers_through_the_host(
     out = empty(kind, 2 * layout.chunk_nbytes)
     assert group.read_blocks([BlockRead(block_hash(31), out, [3, 1])])[0].ok
     assert np.array_equal(host(out), chunk_bytes(layout, data, [3, 1]))
+    close(group)
+
+
+def test_durable_whole_blocks_sync_on_the_write_descriptor(
+    kind: EngineKind, tmp_path: Path
+) -> None:
+    """Durability full: every engine hands the publisher the descriptor of each new file
+    (``write_new_file``, device segments included), which syncs the file on it and closes it
+    at the end of the batch: the blocks read back and no descriptor is left open."""
+    group = group_of(kind, tmp_path, make_small_identity(), durability="full")
+    layout = group.layout
+    datas = [block_bytes(layout, 40 + i) for i in range(3)]
+    hashes = [block_hash(40 + i) for i in range(3)]
+    for shift in (0, 1):  # aligned device memory written direct, then staged
+        writes = [
+            BlockWrite(bytes([shift]) + h[1:], given(kind, d, shift))
+            for h, d in zip(hashes, datas, strict=True)
+        ]
+        open_before = len(os.listdir("/proc/self/fd"))
+        assert [r.status for r in group.write_blocks(writes)] == [WriteStatus.WRITTEN] * 3
+        assert len(os.listdir("/proc/self/fd")) == open_before
+        for w, data in zip(writes, datas, strict=True):
+            out = empty(kind, layout.block_nbytes)
+            assert group.read_blocks([BlockRead(w.block_hash, out)])[0].status is ReadStatus.HIT
+            assert np.array_equal(host(out), data)
+    assert [p for p in tmp_path.rglob("*") if ".tmp-" in p.name] == []
     close(group)
