@@ -41,6 +41,7 @@ import torch
 
 from connector.facts import EngineFacts
 from connector.rank import family_of
+from connector.tier.strided import StridedCopy, fit_strided
 from kvstore import ConfigError, Identity, LayoutError
 from kvstore.layout import LocalForm, ParallelLayout, RankMapping, verify_tiling
 from kvstore.layout.parallel import Family
@@ -89,6 +90,8 @@ class _UnitPlan:
     target_rows: torch.Tensor
     target_canon: torch.Tensor
     canon_is_identity: bool  # target_canon == arange: loads need no gather of the block
+    store: StridedCopy | None  # ``source`` as strided views (row -> block), None: gather
+    load: StridedCopy | None  # the load pairs as strided views (block -> row), None: scatter
 
 
 _WIDE = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
@@ -122,6 +125,7 @@ def _unit_plan(group: GroupChunks, row_bytes: int) -> _UnitPlan:
     order = np.argsort(target_canon, kind="stable")  # canonical order: sequential reads
     target_canon, target_rows = target_canon[order], np.concatenate(rows)[order]
     dtype, width = next((d, w) for d, w in _WIDE if unit % w == 0)
+    canon_units = np.arange(len(source))
     return _UnitPlan(
         unit=unit,
         dtype=dtype,
@@ -129,49 +133,83 @@ def _unit_plan(group: GroupChunks, row_bytes: int) -> _UnitPlan:
         source=torch.from_numpy(source),
         target_rows=torch.from_numpy(target_rows),
         target_canon=torch.from_numpy(target_canon),
-        canon_is_identity=bool(np.array_equal(target_canon, np.arange(len(source)))),
+        canon_is_identity=bool(np.array_equal(target_canon, canon_units)),
+        store=fit_strided(canon_units, source, unit),
+        load=fit_strided(target_rows, target_canon, unit),
     )
 
 
 class ChunkMap:
     """Moves chunks between the primary rows and canonical blocks, per stored group array.
 
-    Each move is one vectorised copy over units of the array's plan (:class:`_UnitPlan`),
-    which releases the GIL: a store gathers the elected cells' units straight into the
-    canonical blocks, a load scatters the blocks' units into every cell."""
+    Where an array's plan is an axis permutation (every layout vLLM produces so far), a move
+    is one strided copy per block (:mod:`connector.tier.strided`: no index tensor, the GIL
+    released, no OpenMP team left spinning) and a store of an identity plan copies nothing:
+    its blocks are slices of the rows, written from the shared memory as vLLM's fs tier
+    writes (vLLM keeps a chunk pinned until its store job is reported). Otherwise a move is
+    one vectorised index copy over the plan's units."""
 
     def __init__(self, rows: torch.Tensor, groups: Sequence[GroupChunks]) -> None:
         self.groups = tuple(groups)
         self._num_chunks, self._row_bytes = rows.shape
         self._rows = rows  # (num_chunks, row_bytes) uint8 over the shared region
+        self._row_array = rows.numpy()  # the same memory, for the strided copies
         self._plans = [_unit_plan(g, self._row_bytes) for g in self.groups]
 
     def _units(self, tensor: torch.Tensor, plan: _UnitPlan) -> torch.Tensor:
         """A dense uint8 tensor as ``(bytes / unit, unit / width)`` elements of ``plan.dtype``."""
         return tensor.view(plan.dtype).reshape(-1, plan.unit // plan.width)
 
-    def to_blocks(self, array: int, chunk_ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
-        """The canonical blocks of ``chunk_ids`` (rows of group array ``array``), gathered
-        into ``out`` (a dense uint8 buffer of at least ``len(chunk_ids) * block_bytes``
-        bytes, reused across jobs: fresh memory costs a page fault per 4 KiB); returns the
-        ``(len(chunk_ids), block_bytes)`` view of it."""
+    def copies_on_store(self, array: int) -> bool:
+        """Whether a store of ``array`` copies its blocks (False: written from the rows)."""
+        plan = self._plans[array].store
+        return plan is None or not plan.is_identity
+
+    def to_blocks(
+        self, array: int, chunk_ids: Sequence[int], out: torch.Tensor | None
+    ) -> list[np.ndarray]:
+        """The canonical blocks of ``chunk_ids`` (rows of group array ``array``), one flat
+        uint8 array of ``block_bytes`` each: slices of the rows themselves when the array's
+        plan is the identity (valid while vLLM keeps the chunks pinned), else gathered into
+        ``out`` (a dense uint8 buffer of at least ``len(chunk_ids) * block_bytes`` bytes,
+        reused across jobs: fresh memory costs a page fault per 4 KiB; None only where
+        :meth:`copies_on_store` is False)."""
         plan = self._plans[array]
-        ids = torch.as_tensor(list(chunk_ids), dtype=torch.int64)
+        block_bytes = self.groups[array].block_bytes
+        ids = [int(c) for c in chunk_ids]
+        strided = plan.store
+        if strided is not None and strided.is_identity:
+            start = strided.src_start * plan.unit
+            return [self._row_array[c, start : start + block_bytes] for c in ids]
+        if out is None:
+            raise ValueError(f"array {array}: its blocks are gathered, expected a buffer")
+        flat = out.reshape(-1)[: len(ids) * block_bytes]
+        staged = flat.numpy().reshape(len(ids), block_bytes)
+        if strided is not None:
+            for j, c in enumerate(ids):
+                strided.copy(staged[j], self._row_array[c])
+            return list(staged)
+        index = torch.as_tensor(ids, dtype=torch.int64)
         row_units = self._row_bytes // plan.unit
-        index = (ids[:, None] * row_units + plan.source[None, :]).reshape(-1)
-        blocks = out.reshape(-1)[: len(ids) * self.groups[array].block_bytes]
-        torch.index_select(self._units(self._rows, plan), 0, index, out=self._units(blocks, plan))
-        return blocks.view(len(ids), self.groups[array].block_bytes)
+        index = (index[:, None] * row_units + plan.source[None, :]).reshape(-1)
+        torch.index_select(self._units(self._rows, plan), 0, index, out=self._units(flat, plan))
+        return list(staged)
 
     def from_blocks(self, array: int, blocks: torch.Tensor, chunk_ids: Sequence[int]) -> None:
         """Write canonical ``blocks`` (dense ``(n, block_bytes)`` uint8) into every rank's
         cell of rows ``chunk_ids``."""
         plan = self._plans[array]
+        blocks = blocks.contiguous()
+        if plan.load is not None:
+            staged = blocks.numpy()
+            for j, c in enumerate(chunk_ids):
+                plan.load.copy(self._row_array[int(c)], staged[j])
+            return
         ids = torch.as_tensor(list(chunk_ids), dtype=torch.int64)
         row_units = self._row_bytes // plan.unit
         block_units = self.groups[array].block_bytes // plan.unit
         dst = (ids[:, None] * row_units + plan.target_rows[None, :]).reshape(-1)
-        src = self._units(blocks.contiguous(), plan)
+        src = self._units(blocks, plan)
         if not plan.canon_is_identity:
             pick = torch.arange(len(ids))[:, None] * block_units + plan.target_canon[None, :]
             src = src.index_select(0, pick.reshape(-1))
@@ -180,6 +218,7 @@ class ChunkMap:
     def release(self) -> None:
         """Drop every view of the shared region (vLLM unmaps it after the tiers shut down)."""
         self._rows = torch.empty((0, self._row_bytes), dtype=torch.uint8)
+        self._row_array = self._rows.numpy()
 
 
 def rows_of(primary_kv_view: memoryview) -> torch.Tensor:

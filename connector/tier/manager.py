@@ -275,13 +275,14 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             if not todo:
                 continue
             ids = [chunk_ids[i] for i, _ in todo]
-            blocks = self.chunks.to_blocks(array, ids, self._buffer(len(todo), array))
-            writes = [BlockWrite(h, blocks[j].numpy(), parents[i]) for j, (i, h) in enumerate(todo)]
+            staging = self._buffer(len(todo), array) if self.chunks.copies_on_store(array) else None
+            blocks = self.chunks.to_blocks(array, ids, staging)
+            writes = [BlockWrite(h, blocks[j], parents[i]) for j, (i, h) in enumerate(todo)]
             results = self.namespace.group(array).write_blocks(writes)
             for (i, _), result in zip(todo, results, strict=True):
                 if result.status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
                     ok.add(keys[i])
-                    nbytes += blocks.shape[1]
+                    nbytes += self.chunks.groups[array].block_bytes
         return Outcome(frozenset(ok), nbytes)
 
     def _load_blocks(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> Outcome:
