@@ -133,25 +133,71 @@ def header_algo(buf: bytes | bytearray | memoryview, spec: ShardSpec, block_hash
     an object. Anything that does not match goes through :func:`check_header`, so a damaged
     header raises the same :class:`CorruptBlockError`, with the same words, as it always did.
     """
-    n = len(block_hash)
     if spec.codec is None and len(buf) >= fmt.HEADER_FIXED_NBYTES:
-        prefix, geometry = spec.raw_template
-        # One copy of the fixed part (176 bytes), then every field is compared in place
-        # (startswith at an offset: no slice object, no memoryview comparison, which goes
-        # element by element) - about half the time of comparing memoryview slices.
-        fixed = bytes(buf[: fmt.HEADER_FIXED_NBYTES])
-        if (
-            fixed.startswith(prefix)
-            and fixed.startswith(geometry, fmt.GEOMETRY_OFFSET)
-            and fixed.startswith(block_hash, fmt.HASH_OFFSET)
-            and fixed[fmt.HASH_LEN_OFFSET] == n
-            and 0 < n <= fmt.MAX_HASH
-            and fixed[fmt.HASH_LEN_OFFSET + 1] <= fmt.MAX_HASH
-            and crc32c(fixed[: fmt.CRC_OFFSET])
-            == int.from_bytes(fixed[fmt.CRC_OFFSET : fmt.CRC_OFFSET + 4], "little")
-        ):
-            return fixed[fmt.ALGO_OFFSET]
+        # One copy of the fixed part (176 bytes), compared in place (_template_algo).
+        algo = _template_algo(bytes(buf[: fmt.HEADER_FIXED_NBYTES]), spec, block_hash)
+        if algo is not None:
+            return algo
     return check_header(buf, spec, block_hash).checksum_algo
+
+
+def _template_algo(fixed: bytes, spec: ShardSpec, block_hash: bytes) -> int | None:
+    """The algorithm id of a raw array's header whose fixed part (``fixed``: at least
+    :data:`fmt.HEADER_FIXED_NBYTES` bytes) matches the array's template, the key, the lengths
+    and its crc32c; None for anything else (:func:`check_header` then names the problem).
+
+    Fields are compared in place in ``bytes`` (``startswith`` at an offset: no slice object,
+    and no memoryview comparison, which goes element by element): about half the time of
+    comparing memoryview slices.
+    """
+    prefix, geometry = spec.raw_template
+    n = len(block_hash)
+    if (
+        fixed.startswith(prefix)
+        and fixed.startswith(geometry, fmt.GEOMETRY_OFFSET)
+        and fixed.startswith(block_hash, fmt.HASH_OFFSET)
+        and fixed[fmt.HASH_LEN_OFFSET] == n
+        and 0 < n <= fmt.MAX_HASH
+        and fixed[fmt.HASH_LEN_OFFSET + 1] <= fmt.MAX_HASH
+        and crc32c(fixed[: fmt.CRC_OFFSET])
+        == int.from_bytes(fixed[fmt.CRC_OFFSET : fmt.CRC_OFFSET + 4], "little")
+    ):
+        return fixed[fmt.ALGO_OFFSET]
+    return None
+
+
+def check_whole_block(
+    spec: ShardSpec, header: memoryview, block_hash: bytes, data: memoryview, *, verify: bool
+) -> None:
+    """:func:`header_algo` then (``verify``) :func:`verify_chunks` of every inner chunk, for a
+    whole block of a raw array read into host memory ``data``: the hot path of small blocks,
+    where each call and copy is a visible share of a block's time.
+
+    The header's fixed part and checksum slots are copied to ``bytes`` once; the template, the
+    key and the crc32c are compared there, and the chunks' checksums (one call,
+    :func:`~kvstore.checksum.chunk_sums`) are compared with the slots as bytes. Same checks,
+    same order of failure (the header first), same :class:`CorruptBlockError` words as the two
+    calls: anything that does not match goes through them.
+    """
+    layout = spec.layout
+    count = layout.num_chunks
+    if spec.codec is not None or len(header) < layout.header_nbytes:
+        got = "a compressed array" if spec.codec is not None else f"{len(header)} header bytes"
+        raise ValueError(
+            f"check_whole_block: expected a raw array's whole header "
+            f"({layout.header_nbytes} bytes), got {got}"
+        )
+    fixed = bytes(header[: fmt.checksum_slot_offset(count)])
+    algo = _template_algo(fixed, spec, block_hash)
+    if algo is None:
+        algo = check_header(header, spec, block_hash).checksum_algo
+    if not verify:
+        return
+    check_algo(algo)  # an unknown algorithm id is a corrupt block
+    sums = chunk_sums(algo, data, layout.chunk_nbytes, count)
+    if _LITTLE_ENDIAN and fixed.startswith(sums.tobytes(), fmt.HEADER_FIXED_NBYTES):
+        return
+    _compare(sums, fmt.decode_checksums(header, count), range(count))
 
 
 def chunk_checksum(algo: int) -> Checksum:

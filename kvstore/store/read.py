@@ -91,6 +91,7 @@ class Reader:
         self._all_chunks = range(layout.num_chunks)
         self._data_offset = layout.chunk_offset(0)  # where chunk 0 starts in the file
         self._dense = layout.dense
+        self._raw_whole = array.codec is None  # check.check_whole_block applies
         self._pieces_whole = (
             self._pieces if layout.dense and layout.block_nbytes >= 2 * _PIECE_NBYTES else None
         )
@@ -208,11 +209,17 @@ class Reader:
                 path, host, layout.file_nbytes, touch_before, direct=direct
             )
         try:
-            algo = check.header_algo(header, array.shard, block_hash)
-            if array.verify_reads:
-                if isinstance(out, torch.Tensor) and algo not in DEVICE_ALGOS:
-                    self._log_host_verify(algo)
-                check.verify_chunks(layout, algo, header, chunks, out)
+            if whole and self._raw_whole and isinstance(out, memoryview):
+                # small whole blocks in host memory (the common case): one call
+                check.check_whole_block(
+                    array.shard, header, block_hash, out, verify=array.verify_reads
+                )
+            else:
+                algo = check.header_algo(header, array.shard, block_hash)
+                if array.verify_reads:
+                    if isinstance(out, torch.Tensor) and algo not in DEVICE_ALGOS:
+                        self._log_host_verify(algo)
+                    check.verify_chunks(layout, algo, header, chunks, out)
         except CorruptBlockError as exc:
             exc.file_id = read_id  # quarantine this file, not whatever has the name later
             raise
