@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,9 +58,22 @@ class Written:
 Published = tuple[WriteStatus, str | None, FileId | Written | None]
 
 _ZEROS = memoryview(bytes(fmt.ALIGN))
-# Most temporary-file descriptors one write_blocks call holds at once (one per block of a
-# slice of the batch): far below any descriptor limit, far above a scheduler step's blocks.
-MAX_HELD_FILES = 256
+
+
+def max_held_files() -> int:
+    """Most temporary-file descriptors one write_blocks call holds at once (one per block of
+    a slice of the batch): 256, far above a scheduler step's blocks, or a sixteenth of a low
+    ``RLIMIT_NOFILE`` (several groups may write at once, beside held fan-out directories)."""
+    try:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return 16
+    if soft == resource.RLIM_INFINITY:
+        return 256
+    return max(16, min(256, soft // 16))
+
+
+MAX_HELD_FILES = max_held_files()
 
 
 def new_token() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import resource
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -347,3 +348,14 @@ def test_a_large_batch_holds_a_bounded_number_of_descriptors(
         out = np.zeros(group.layout.block_nbytes, dtype=np.uint8)
         assert group.read_blocks([BlockRead(h, out)])[0].ok
         np.testing.assert_array_equal(out, d)
+
+
+@pytest.mark.parametrize(
+    ("soft", "held"),
+    [(100, 16), (1024, 64), (20000, 256), (resource.RLIM_INFINITY, 256)],
+)
+def test_held_descriptors_follow_a_low_descriptor_limit(
+    monkeypatch: pytest.MonkeyPatch, soft: int, held: int
+) -> None:
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (soft, resource.RLIM_INFINITY))
+    assert publish.max_held_files() == held
