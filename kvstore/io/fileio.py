@@ -196,12 +196,12 @@ class FileIO:
         os.unlink(path)
 
     def exists(self, path: str) -> bool:
-        """Whether a regular file has the name ``path`` (the existence probe of lookups).
+        """Whether a regular file has the name ``path`` (publishing checks a block name with it;
+        lookups probe with :meth:`exists_at`).
 
         ``lstat``: a symbolic link is not followed. A name held by anything but a regular file
         (a link, FIFO, socket, device, directory) raises
-        :class:`~kvstore.errors.EntryKindError`, which lookups count as a failed probe: a miss,
-        logged.
+        :class:`~kvstore.errors.EntryKindError`.
         """
         try:
             mode = os.lstat(path).st_mode
@@ -214,8 +214,9 @@ class FileIO:
     def exists_at(self, dir_fd: int, name: str) -> bool:
         """:meth:`exists` of ``name`` in the open directory ``dir_fd`` (``fstatat`` with
         ``AT_SYMLINK_NOFOLLOW``): the probe of lookups against a held descriptor of a fan-out
-        directory (:mod:`kvstore.store.fanout_fds`). The error of a name held by anything but a
-        regular file names only ``name``: the caller knows the directory."""
+        directory (:mod:`kvstore.store.fanout_fds`). A name held by anything but a regular file
+        raises :class:`~kvstore.errors.EntryKindError` naming only ``name`` (the caller knows
+        the directory), which lookups count as a failed probe: a miss, logged."""
         try:
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
         except FileNotFoundError:
