@@ -57,6 +57,17 @@ from kvstore.store.codec import Codec, compressed_bounds, decode_index
 from kvstore.store.format import BlockHeader, ShardLayout
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
+# crc32c of any message followed by its own crc32c (u32 little endian) is this constant (the
+# CRC residue): one crc call checks the header crc, with no slice and no integer decode.
+_CRC32C_RESIDUE = 0x48674BC7
+# Header offsets bound here: the hot path reads them per block (a module global, not an
+# attribute of another module).
+_HASH_LEN_OFFSET = fmt.HASH_LEN_OFFSET
+_HASH_OFFSET = fmt.HASH_OFFSET
+_GEOMETRY_OFFSET = fmt.GEOMETRY_OFFSET
+_ALGO_OFFSET = fmt.ALGO_OFFSET
+_CRC_END = fmt.CRC_OFFSET + 4
+_MAX_HASH = fmt.MAX_HASH
 
 # Kinds of fault (``kvstore verify``'s finding kinds for block files).
 TRUNCATED = "truncated"  # shorter than the geometry allows (a torn copy, a full disk)
@@ -154,15 +165,14 @@ def _template_algo(fixed: bytes, spec: ShardSpec, block_hash: bytes) -> int | No
     n = len(block_hash)
     if (
         fixed.startswith(prefix)
-        and fixed.startswith(geometry, fmt.GEOMETRY_OFFSET)
-        and fixed.startswith(block_hash, fmt.HASH_OFFSET)
-        and fixed[fmt.HASH_LEN_OFFSET] == n
-        and 0 < n <= fmt.MAX_HASH
-        and fixed[fmt.HASH_LEN_OFFSET + 1] <= fmt.MAX_HASH
-        and crc32c(fixed[: fmt.CRC_OFFSET])
-        == int.from_bytes(fixed[fmt.CRC_OFFSET : fmt.CRC_OFFSET + 4], "little")
+        and fixed.startswith(geometry, _GEOMETRY_OFFSET)
+        and fixed.startswith(block_hash, _HASH_OFFSET)
+        and fixed[_HASH_LEN_OFFSET] == n
+        and 0 < n <= _MAX_HASH
+        and fixed[_HASH_LEN_OFFSET + 1] <= _MAX_HASH
+        and crc32c(fixed[:_CRC_END]) == _CRC32C_RESIDUE  # the crc over [0, CRC_OFFSET)
     ):
-        return fixed[fmt.ALGO_OFFSET]
+        return fixed[_ALGO_OFFSET]
     return None
 
 
