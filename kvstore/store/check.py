@@ -20,7 +20,8 @@ Two ways in:
   and the compressed reader): :func:`check_header` (raw arrays: :func:`header_algo`, the same
   checks on the header's bytes) and :func:`verify_chunks` (or :func:`verify_run` per piece of a
   large block) raise :class:`~kvstore.errors.CorruptBlockError` at the first problem, one call
-  each per block (the per-chunk work is one checksum call, driven from C, nothing more);
+  each per block (the per-chunk work is one checksum call, driven from C, nothing more); a
+  whole raw block read into host memory takes both in one call, :func:`check_whole_block`;
 * the tools (``kvstore verify``, ``kvstore ls``, ``kvstore-inspect``): :func:`check_file`
   reads the whole file once (never more than the largest valid file of the geometry), never
   raises for a damaged block, never changes the file (no mtime update, nothing moved), and

@@ -5,8 +5,10 @@ caller buffers, touching only those byte ranges: the header and each contiguous 
 one ``preadv`` for a whole block (a padded layout's stride padding goes to a scratch buffer).
 Every read checks the header against the key it asked for and each chunk against its checksum
 (:mod:`kvstore.store.check`: one header check, and one call that checksums all the chunks read,
-nothing more). Whole blocks of 1 MiB or more are read and verified in pieces of about 512 KiB,
-header first, each piece checksummed while it is still in the CPU cache
+nothing more; for a whole block read into host memory both are one call, with the per-block
+Python kept small because it is a visible share of a small block's time, issue 17). Whole
+blocks of 1 MiB or more are read and verified in pieces of about 512 KiB, header first, each
+piece checksummed while it is still in the CPU cache
 (:meth:`Reader._read_in_pieces`). A missing, short, mis-keyed, foreign or corrupt block is a
 miss: one log line, counted, and the corrupt file quarantined - never served.
 
