@@ -133,6 +133,40 @@ def chunk_sums(algo_id: int, data: memoryview, chunk_nbytes: int, count: int) ->
     return np.fromiter(map(fn, pieces), dtype=np.uint64, count=count)
 
 
+def strided_chunk_sums(  # noqa: PLR0913 - the native batch's geometry, one argument each
+    algo_id: int,
+    data: memoryview,
+    starts: Sequence[int],
+    stride: int,
+    count: int,
+    chunk_nbytes: int,
+) -> np.ndarray:
+    """Checksums of the chunks ``data[s + i * stride :][:chunk_nbytes]`` for each ``s`` in
+    ``starts`` and ``i`` in ``range(count)``, start-major, as a uint64 array (the chunks of a
+    block whose pieces lie at a constant stride in a larger buffer: no gather copy).
+
+    xxh3_64 with the native batch: one call per start. Other algorithms: one call per chunk
+    (all of them have a host function per chunk).
+    """
+    last = max(starts, default=0) + (count - 1) * stride + chunk_nbytes
+    if count and starts and (min(starts) < 0 or stride < 0 or last > len(data)):
+        raise ValueError(
+            f"checksum: chunks up to byte {last} at a stride of {stride}, got {len(data)} bytes"
+        )
+    out = np.empty(len(starts) * count, dtype=np.uint64)
+    if not count or not len(starts):
+        return out
+    native = _native_sums() if algo_id == XXH3_64 else None
+    if native is not None:
+        for j, start in enumerate(starts):
+            native(data[start:], chunk_nbytes, count, stride, out[j * count : (j + 1) * count].data)
+        return out
+    fn = checksum_function(algo_id)
+    at = (s + i * stride for s in starts for i in range(count))
+    out[:] = [fn(data[a : a + chunk_nbytes]) for a in at]
+    return out
+
+
 @lru_cache(maxsize=256)
 def _chunk_slices(chunk_nbytes: int, count: int) -> tuple[slice, ...]:
     """The slices of ``count`` back-to-back chunks (one tuple per block geometry)."""

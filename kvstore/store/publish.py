@@ -24,8 +24,14 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
-from kvstore.checksum import checksum_chunks, checksum_tensor_rows, chunk_sums
+from kvstore.checksum import (
+    checksum_chunks,
+    checksum_tensor_rows,
+    chunk_sums,
+    strided_chunk_sums,
+)
 from kvstore.errors import KvstoreError
 from kvstore.io.buffers import ThreadStaging, aligned_buffer
 from kvstore.io.engine import AnySegment, Data
@@ -143,7 +149,14 @@ class Publisher:
             return None
         layout = array.layout
         compressed = array.compressed
-        data = self.data(req.data, host=compressed is not None)
+        given = req.data
+        pieces = block_pieces(given, layout.block_nbytes, layout.chunk_nbytes)
+        if pieces is not None and (compressed is not None or not layout.dense):
+            given, pieces = np.ascontiguousarray(given), None  # joined: one copy, as before
+        if pieces is not None:
+            in_place = self._piece_segments(block_hash, req.parent_hash, pieces)
+            return self._write_segments(final, in_place, layout.file_nbytes)
+        data = self.data(given, host=compressed is not None)
         if nbytes(data) != layout.block_nbytes:
             raise KvstoreError(
                 f"block data: expected {layout.block_nbytes} bytes, got {nbytes(data)}"
@@ -177,6 +190,43 @@ class Publisher:
                     segments.append((layout.chunk_offset(c) + layout.chunk_nbytes, pad))
             segments.append((layout.data_end, self._index))
         size = layout.file_nbytes if file_nbytes is None else file_nbytes
+        return self._write_segments(final, segments, size, tmp)
+
+    def _piece_segments(
+        self, block_hash: bytes, parent: bytes | None, pieces: BlockPieces
+    ) -> list[AnySegment]:
+        """The segments of a raw dense block given as pieces: header (checksums computed on
+        the pieces where they lie), one segment per piece at its canonical offset, index."""
+        array = self.array
+        layout = array.layout
+        size, chunk = pieces.piece_nbytes, layout.chunk_nbytes
+        if size == chunk and pieces.run > 1:  # chunks of a run at a constant stride: one call
+            sums = strided_chunk_sums(
+                array.checksum_algo,
+                pieces.span,
+                pieces.starts[:: pieces.run],
+                pieces.run_stride,
+                pieces.run,
+                chunk,
+            )
+        else:
+            sums = strided_chunk_sums(
+                array.checksum_algo, pieces.span, pieces.starts, chunk, size // chunk, chunk
+            )
+        header = self._header_into(block_hash, parent, time.time_ns(), sums)
+        span, base = pieces.span, layout.data_offset
+        segments: list[AnySegment] = [(0, header)]
+        segments += [(base + i * size, span[s : s + size]) for i, s in enumerate(pieces.starts)]
+        segments.append((layout.data_end, self._index))
+        return segments
+
+    def _write_segments(
+        self, final: str, segments: list[AnySegment], size: int, tmp: str | None = None
+    ) -> Written:
+        """The new temporary file of ``final`` holding ``segments``, unsynced (its descriptor
+        kept open when the store is durable); removed if the write fails."""
+        array = self.array
+        tmp = temp_path_for(final, new_token()) if tmp is None else tmp
         try:
             fd = self._recreating_fan_out(tmp, lambda: self._engine_write_new(tmp, segments, size))
         except BaseException:
@@ -453,6 +503,58 @@ class Publisher:
                 assert published.fd is not None  # held until the batch's directory syncs end
                 published = file_id(self._fio.fstat(published.fd))
             remove_if_same(self._fio, None, path, published)
+
+
+@dataclass(frozen=True)
+class BlockPieces:
+    """A block given as strided pieces (see :class:`~kvstore.store.types.BlockWrite`): piece
+    ``k`` is ``span[starts[k] :][:piece_nbytes]``; the pieces come in ``run``s whose starts
+    advance by ``run_stride`` (the innermost strided axis)."""
+
+    span: memoryview  # flat bytes from the first piece's first byte to the last piece's end
+    starts: list[int]
+    piece_nbytes: int
+    run: int
+    run_stride: int
+
+
+def block_pieces(data: object, block_nbytes: int, chunk_nbytes: int) -> BlockPieces | None:
+    """The pieces of a non-contiguous ``numpy.ndarray`` block; None for anything else (one
+    buffer: the caller's usual path). :class:`KvstoreError` when they cannot make a block of
+    ``block_nbytes`` bytes of whole ``chunk_nbytes`` chunks (never a wrong block)."""
+    if not isinstance(data, np.ndarray) or data.flags.c_contiguous:
+        return None
+    what = f"block data as strided pieces ({data.dtype} {data.shape}, strides {data.strides})"
+    if data.ndim == 0 or data.strides[-1] != data.itemsize or min(data.strides) < 0:
+        raise KvstoreError(f"{what}: expected a contiguous last axis and non-negative strides")
+    if data.nbytes != block_nbytes:
+        raise KvstoreError(f"{what}: expected {block_nbytes} bytes, got {data.nbytes}")
+    try:
+        flat = data.view(np.uint8)  # the last axis is contiguous, so bytes are a view
+    except (TypeError, ValueError) as exc:
+        raise KvstoreError(f"{what}: expected plain bytes ({exc})") from None
+    shape, strides = list(flat.shape), list(flat.strides)
+    piece = shape.pop()
+    strides.pop()
+    while shape and (shape[-1] == 1 or strides[-1] == piece):  # merge contiguous axes
+        piece *= shape.pop()
+        strides.pop()
+    if piece % chunk_nbytes:
+        raise KvstoreError(
+            f"{what}: expected pieces of whole {chunk_nbytes}-byte chunks, got {piece}-byte pieces"
+        )
+    starts = np.zeros(1, dtype=np.int64)
+    for n, stride in zip(shape, strides, strict=True):
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
+    extent = int(starts.max()) + piece
+    span = as_strided(flat, shape=(extent,), strides=(1,), writeable=False)
+    return BlockPieces(
+        span=span.data,
+        starts=starts.tolist(),
+        piece_nbytes=piece,
+        run=shape[-1] if shape else 1,
+        run_stride=strides[-1] if shape else 0,
+    )
 
 
 def chunk_sums_of(algo: int, data: Data, chunk_nbytes: int, count: int) -> np.ndarray:

@@ -32,10 +32,21 @@ class ReadStatus(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class BlockWrite:
-    """Write one whole block."""
+    """Write one whole block.
+
+    ``data`` is the canonical block (all inner chunks back to back: ShardLayout.block_nbytes),
+    as one C-contiguous buffer, or as a strided host view of pieces: a ``numpy.ndarray`` whose
+    last axis is contiguous and whose other strides are non-negative, read in C order (the
+    block is ``np.ascontiguousarray(data)``'s bytes). Each maximal contiguous innermost run (a
+    "piece") must hold a whole number of inner chunks; raw dense arrays then write the pieces
+    from where they are (no gather copy: a piece is one file segment, its chunks checksummed
+    in place), other arrays (compressed, padded) join them first. Anything else is refused
+    with a :class:`~kvstore.errors.KvstoreError`. The memory must not change until the call
+    returns.
+    """
 
     block_hash: bytes
-    data: Buffer  # the canonical block: all inner chunks back to back (ShardLayout.block_nbytes)
+    data: Buffer  # the canonical block, contiguous or as strided pieces (see above)
     parent_hash: bytes | None = None  # hash of the previous block of the chain, None for the first
 
 

@@ -1,0 +1,140 @@
+"""Whole blocks given as strided pieces (BlockWrite.data a non-contiguous numpy view): the
+files are byte for byte those of the same block given as one buffer; bad pieces are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstore import Identity
+from kvstore.checksum import CRC32C, WSUM64, XXH3_64, chunk_sums, strided_chunk_sums
+from kvstore.store.format import ShardLayout
+from kvstore.store.publish import Publisher
+from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus
+from tests.helpers import StoreFactory, block_bytes, block_hash, shard_files
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in shard_files(root)}
+
+
+def _views(layout: ShardLayout, canon: np.ndarray) -> dict[str, np.ndarray]:
+    """Non-contiguous views whose C-order bytes are ``canon``, over freshly laid-out rows."""
+    n, size = layout.num_chunks, layout.chunk_nbytes
+    chunks = canon.reshape(n, size)
+    views: dict[str, np.ndarray] = {}
+    gapped = np.zeros((n, size + 4096), dtype=np.uint8)  # one chunk per piece, gaps between
+    gapped[:, :size] = chunks
+    views["gapped"] = gapped[:, :size]
+    a = next((f for f in range(2, n) if n % f == 0), None)
+    if a is not None:  # a transpose: canonical [b][a] from a row laid out [a][b]
+        b = n // a
+        row = np.ascontiguousarray(chunks.reshape(b, a, size).transpose(1, 0, 2))
+        views["transposed"] = row.transpose(1, 0, 2)
+        wide = np.zeros((n // a, a * size + 8192), dtype=np.uint8)  # pieces of `a` chunks
+        wide[:, : a * size] = canon.reshape(n // a, a * size)
+        views["multi-chunk"] = wide[:, : a * size]
+    for view in views.values():
+        assert not view.flags.c_contiguous
+        assert np.array_equal(np.ascontiguousarray(view).reshape(-1), canon)
+    return views
+
+
+@pytest.mark.parametrize("durability", ["none", "full"])
+@pytest.mark.parametrize("direct_io", ["off", "auto"])
+def test_pieces_write_the_same_files_as_one_buffer(
+    make_store: StoreFactory,
+    tmp_path: Path,
+    any_identity: Identity,
+    durability: str,
+    direct_io: str,
+    frozen_time: int,
+) -> None:
+    one_root, pieces_root = tmp_path / "one", tmp_path / "pieces"
+    opts = {"durability": durability, "direct_io": direct_io}
+    one = make_store(one_root, **opts).namespace(any_identity).group(0)
+    pieces = make_store(pieces_root, **opts).namespace(any_identity).group(0)
+    layout = one.layout
+    writes_one: list[BlockWrite] = []
+    writes_pieces: list[BlockWrite] = []
+    for seed in range(3):
+        canon = block_bytes(layout, seed)
+        for name, view in _views(layout, canon).items():
+            h = block_hash(seed, name)
+            parent = block_hash(seed + 100) if seed else None
+            writes_one.append(BlockWrite(h, canon, parent))
+            writes_pieces.append(BlockWrite(h, view, parent))
+    assert writes_pieces
+    for group, writes in ((one, writes_one), (pieces, writes_pieces)):
+        results = group.write_blocks(writes)
+        assert [r.status for r in results] == [WriteStatus.WRITTEN] * len(writes), results
+    files = _files(pieces_root)
+    assert len(files) == len(writes_pieces)
+    assert files == _files(one_root)
+    out = np.empty(layout.block_nbytes, dtype=np.uint8)
+    for write in writes_pieces:
+        (result,) = pieces.read_blocks([BlockRead(write.block_hash, out)])
+        assert result.status is ReadStatus.HIT
+        assert np.array_equal(out, np.ascontiguousarray(write.data).reshape(-1))
+
+
+def test_bad_pieces_are_refused(make_store: StoreFactory, small_identity: Identity) -> None:
+    group = make_store().namespace(small_identity).group(0)
+    layout = group.layout
+    n, size = layout.num_chunks, layout.chunk_nbytes
+    canon = block_bytes(layout, 7)
+    halves = np.zeros((2 * n, size // 2 + 64), dtype=np.uint8)  # half-chunk pieces
+    halves[:, : size // 2] = canon.reshape(2 * n, size // 2)
+    short = np.zeros((n - 1, size + 64), dtype=np.uint8)  # one chunk missing
+    reversed_rows = canon.reshape(n, size)[::-1]  # negative stride
+    columns = np.ascontiguousarray(canon.reshape(n, size).T).T  # last axis not contiguous
+    cases = {
+        "pieces of whole": halves[:, : size // 2],
+        f"expected {layout.block_nbytes} bytes": short[:, :size],
+        "non-negative strides": reversed_rows,
+        "contiguous last axis": columns,
+    }
+    for i, (words, data) in enumerate(cases.items()):
+        (result,) = group.write_blocks([BlockWrite(block_hash(i, "bad"), data)])
+        assert result.status is WriteStatus.FAILED
+        assert words in result.error, result.error
+    out = np.empty(layout.block_nbytes, dtype=np.uint8)
+    reads = [BlockRead(block_hash(i, "bad"), out) for i in range(len(cases))]
+    assert all(r.status is ReadStatus.MISS for r in group.read_blocks(reads))  # nothing written
+
+
+@pytest.mark.parametrize("algo", [XXH3_64, CRC32C, WSUM64])
+def test_strided_chunk_sums_match_the_gathered_chunks(algo: int) -> None:
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, size=1 << 16, dtype=np.uint8)
+    starts, stride, count, size = [5, 1000, 3], 7000, 4, 1500
+    gathered = np.concatenate(
+        [data[s + i * stride : s + i * stride + size] for s in starts for i in range(count)]
+    )
+    want = chunk_sums(algo, gathered.data, size, len(starts) * count)
+    got = strided_chunk_sums(algo, data.data, starts, stride, count, size)
+    assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="stride"):
+        strided_chunk_sums(algo, data[:20000].data, starts, stride, count, size)
+
+
+def test_dense_arrays_write_pieces_in_place_others_join(
+    make_store: StoreFactory, any_identity: Identity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    group = make_store().namespace(any_identity).group(0)
+    calls: list[int] = []
+    original = Publisher._piece_segments
+
+    def spy(self: Publisher, *args: Any) -> Any:
+        calls.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(Publisher, "_piece_segments", spy)
+    canon = block_bytes(group.layout, 1)
+    view = _views(group.layout, canon)["gapped"]
+    (result,) = group.write_blocks([BlockWrite(block_hash(1, "spy"), view)])
+    assert result.status is WriteStatus.WRITTEN
+    assert bool(calls) == group.layout.dense
