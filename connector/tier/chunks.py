@@ -42,10 +42,11 @@ import torch
 from connector.facts import EngineFacts
 from connector.rank import family_of
 from connector.tier.strided import StridedCopy, fit_strided
-from kvstore import ConfigError, Identity, LayoutError
+from kvstore import ConfigError, Identity, KvstoreError, LayoutError
 from kvstore.layout import LocalForm, ParallelLayout, RankMapping, verify_tiling
 from kvstore.layout.parallel import Family
 from kvstore.rank_io import group_geometry
+from kvstore.store.publish import block_pieces
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,10 @@ class ChunkMap:
     is one strided copy per block (:mod:`connector.tier.strided`: no index tensor, the GIL
     released, no OpenMP team left spinning) and a store of an identity plan copies nothing:
     its blocks are slices of the rows, written from the shared memory as vLLM's fs tier
-    writes (vLLM keeps a chunk pinned until its store job is reported). Otherwise a move is
-    one vectorised index copy over the plan's units."""
+    writes (vLLM keeps a chunk pinned until its store job is reported); where the plan's runs
+    are whole inner chunks (HND pages), :meth:`source_views` hands the store the strided views
+    themselves, which it writes as pieces without a copy. Otherwise a move is one vectorised
+    index copy over the plan's units."""
 
     def __init__(self, rows: torch.Tensor, groups: Sequence[GroupChunks]) -> None:
         self.groups = tuple(groups)
@@ -164,6 +167,34 @@ class ChunkMap:
         """Whether a store of ``array`` copies its blocks (False: written from the rows)."""
         plan = self._plans[array].store
         return plan is None or not plan.is_identity
+
+    def stores_in_place(self, array: int, chunk_nbytes: int) -> bool:
+        """Whether stores of ``array`` can hand the store its blocks as strided views of the
+        rows (:meth:`source_views`): where the plan is a product of axes, not a plain slice,
+        and each contiguous run of the view is whole inner chunks of ``chunk_nbytes`` bytes
+        (what :class:`kvstore.BlockWrite` takes as pieces). Decided once per array, on row 0."""
+        plan = self._plans[array]
+        strided = plan.store
+        if strided is None or strided.is_identity or self._num_chunks == 0:
+            return False
+        dst, _ = strided.indices()
+        if not np.array_equal(dst, np.arange(self.groups[array].block_bytes // plan.unit)):
+            return False  # pairs not in canonical order: a view would not read as the block
+        view = strided.source_view(self._row_array[0])
+        try:
+            pieces = block_pieces(view, self.groups[array].block_bytes, chunk_nbytes)
+        except KvstoreError:
+            return False  # runs that split chunks: the block is gathered
+        return pieces is not None
+
+    def source_views(self, array: int, chunk_ids: Sequence[int]) -> list[np.ndarray]:
+        """The canonical blocks of ``chunk_ids`` as strided views of their rows, no copy
+        (C order reads as the block; valid while vLLM keeps the chunks pinned): for arrays
+        whose :meth:`stores_in_place` is True."""
+        strided = self._plans[array].store
+        if strided is None:
+            raise ValueError(f"array {array}: its blocks are gathered by index, not viewed")
+        return [strided.source_view(self._row_array[int(c)]) for c in chunk_ids]
 
     def to_blocks(
         self, array: int, chunk_ids: Sequence[int], out: torch.Tensor | None

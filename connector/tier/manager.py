@@ -14,10 +14,12 @@ once (tiering/base.py):
   otherwise vLLM's async lookup (:class:`connector.tier.lookup.StoreProbe`): RETRY while the
   batched existence probe runs, then its verdict;
 * ``submit_store`` / ``submit_load``: queue the job on the store / load threads
-  (:class:`connector.tier.jobs.JobRunner`); a store gathers the chunks' canonical blocks and
-  publishes them (:meth:`kvstore.GroupStore.write_blocks`: checksums, atomic rename, fsync per
-  ``durability``); a load reads and verifies them (:meth:`kvstore.GroupStore.read_blocks`) and
-  scatters the hits into the chunk rows;
+  (:class:`connector.tier.jobs.JobRunner`); a store publishes the chunks' canonical blocks
+  (:meth:`kvstore.GroupStore.write_blocks`: checksums, atomic rename, fsync per
+  ``durability``), as strided views of the rows where their runs are whole inner chunks of a
+  raw dense array (written from the shared memory as pieces, no gather), else gathered; a
+  load reads and verifies them (:meth:`kvstore.GroupStore.read_blocks`) and scatters
+  the hits into the chunk rows;
 * ``get_finished_jobs``: the outcomes. A block that is missing, corrupt (quarantined by the
   store), or unreadable fails its promotion, and only that key becomes a miss
   (``successful_keys`` keeps the others); a failed write fails its store job. Nothing raises
@@ -39,6 +41,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 from vllm.v1.kv_offload.base import (
     Locality,
@@ -60,11 +63,11 @@ from connector.config import ConnectorConfig
 from connector.facts import current
 from connector.identity import GROUP_ID_BYTES, derive_identity
 from connector.manager import parent_key
-from connector.tier.chunks import ChunkGeometry, build_chunk_map, rows_of
+from connector.tier.chunks import ChunkGeometry, ChunkMap, build_chunk_map, rows_of
 from connector.tier.config import TierConfig
 from connector.tier.jobs import JobRunner, Outcome
 from connector.tier.lookup import StoreProbe, split_key
-from kvstore import BlockRead, BlockWrite, ConfigError, WriteStatus
+from kvstore import BlockRead, BlockWrite, ConfigError, GroupStore, WriteStatus
 from kvstore.io.buffers import aligned_buffer
 
 if TYPE_CHECKING:
@@ -131,6 +134,10 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             raise
         try:
             self.namespace = self.store.namespace(self.identity)
+            self._in_place = [
+                _in_place(self.chunks, self.namespace.group(a), a)
+                for a in range(len(self.chunks.groups))
+            ]
         except BaseException:
             self.chunks.release()
             self.store.close()
@@ -275,8 +282,13 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             if not todo:
                 continue
             ids = [chunk_ids[i] for i, _ in todo]
-            staging = self._buffer(len(todo), array) if self.chunks.copies_on_store(array) else None
-            blocks = self.chunks.to_blocks(array, ids, staging)
+            blocks: Sequence[np.ndarray]
+            if self._in_place[array]:
+                blocks = self.chunks.source_views(array, ids)
+            else:
+                copies = self.chunks.copies_on_store(array)
+                staging = self._buffer(len(todo), array) if copies else None
+                blocks = self.chunks.to_blocks(array, ids, staging)
             writes = [BlockWrite(h, blocks[j], parents[i]) for j, (i, h) in enumerate(todo)]
             results = self.namespace.group(array).write_blocks(writes)
             for (i, _), result in zip(todo, results, strict=True):
@@ -331,6 +343,17 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             where = None if parent is None else split_key(self.key_map, parent)
             out.append(None if where is None else where[1])
         return out
+
+
+def _in_place(chunks: ChunkMap, group: GroupStore, array: int) -> bool:
+    """Whether stores of ``array`` hand the store strided views of the rows (pieces: no
+    gather copy into a staging buffer). Only for raw dense arrays, which write pieces from
+    where they are: compressed and padded ones would join the pieces into fresh memory, a copy
+    no cheaper than the gather into this tier's reused buffer."""
+    layout = group.layout
+    if not layout.dense or group.compression != "none":
+        return False
+    return chunks.stores_in_place(array, layout.chunk_nbytes)
 
 
 def _slices(n: int) -> list[slice]:

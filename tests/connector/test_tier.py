@@ -189,3 +189,28 @@ def test_mla_and_hybrid_models_round_trip(tmp_path: Path) -> None:
     assert second.first_start["reader"] == 8 * BLOCK
     assert second.prefix_ok["reader"]
     second.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("write", "read"),
+    [({"tp": 1}, {"tp": 2}), ({"tp": 2, "canonical": True}, {"tp": 1})],
+    ids=["tp1-to-tp2", "canonical-to-tp1"],
+)
+def test_blocks_written_from_the_rows_promote_byte_exact(
+    tmp_path: Path, write: dict[str, Any], read: dict[str, Any]
+) -> None:
+    """128-token blocks: 4 KiB inner chunks, a raw dense array, where the tier writes HND
+    rows as pieces (views of the CPU tier's rows, no gather); another layout promotes them."""
+    big = 8 * BLOCK
+    tokens = prompt(2 * big + 3)
+    canonical = write.pop("canonical", False)
+    writer = TierEngine(EngineOptions(root=tmp_path, block_size=big, **write), canonical=canonical)
+    assert writer.tier._in_place == [True]  # the path under test is taken
+    request = writer.serve("writer", tokens)
+    writer.flush_tier()
+    writer.shutdown()
+    assert len(request.block_hashes) == 2
+    engine = promote(TierEngine(EngineOptions(root=tmp_path, block_size=big, **read)), tokens)
+    assert engine.first_start["reader"] == 2 * big
+    assert engine.prefix_ok["reader"]
+    engine.shutdown()

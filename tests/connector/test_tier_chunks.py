@@ -10,6 +10,7 @@ not apply.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,8 @@ from connector.tier.chunks import ChunkGeometry, ChunkMap, build_chunk_map
 from connector.tier.strided import StridedCopy, fit_strided
 from kvstore import Identity
 from kvstore.identity import GroupSpec, attention_group
-from tests.helpers import layer_names
+from kvstore.store.types import BlockWrite, WriteStatus
+from tests.helpers import StoreFactory, block_hash, layer_names, shard_files
 
 UNIT = 16  # bytes per unit in the fit_strided tests
 
@@ -208,3 +210,97 @@ def test_strided_views_refuse_a_short_buffer() -> None:
     assert plan is not None
     with pytest.raises(ValueError, match="at least 64 bytes"):
         plan.source_view(np.zeros(63, dtype=np.uint8))
+
+
+# Layouts whose inner chunks are 4 KiB (head_dim 64): raw dense arrays, where stores write
+# the rows as pieces. Cells hold a rank's share exactly (pad brings _chunk_map's cell to it).
+DENSE = {"heads": 4, "head_dim": 64, "layers": 3}
+DENSE_LAYOUTS: dict[str, dict[str, Any]] = {
+    "dense-tp1-hnd": {"facts": _facts(), "pad": 24576},
+    "dense-tp2-hnd": {"facts": _facts(tp=2)},
+    "dense-canonical": {"facts": _facts(tp=2), "canonical": True, "pad": 24576},
+    "dense-tp1-nhd": {"facts": _facts("LBNHC"), "pad": 24576},
+}
+
+
+# Where stores write views of the rows (the others gather: see the test below).
+IN_PLACE = {
+    "canonical", "pp2", "tp1-hnd", "tp2-hnd", "tp4-replicated-heads",
+    "dense-tp1-hnd", "dense-tp2-hnd", "dense-canonical",
+}  # fmt: skip
+
+
+def _dense_identity() -> Identity:
+    group = attention_group(
+        "full",
+        layer_names(DENSE["layers"]),
+        num_kv_heads=DENSE["heads"],
+        head_dim=DENSE["head_dim"],
+    )
+    return Identity(model="test/dense", kv_dtype="bfloat16", tokens_per_block=16, groups=(group,))
+
+
+def _any_case(case: str) -> tuple[Identity, ChunkMap]:
+    if case in LAYOUTS:
+        return LAYOUTS[case].get("identity", _identity()), _build(case)
+    spec = dict(DENSE_LAYOUTS[case])
+    identity = _dense_identity()
+    return identity, _chunk_map(identity, spec.pop("facts"), **spec)
+
+
+@pytest.mark.parametrize("direct_io", ["off", "auto"])
+@pytest.mark.parametrize("case", sorted(IN_PLACE))
+def test_blocks_written_from_the_rows_are_the_gathered_files(
+    make_store: StoreFactory, tmp_path: Path, frozen_time: int, case: str, direct_io: str
+) -> None:
+    """Where views of the rows apply, the store's files are byte for byte those of the
+    gathered blocks (the index plan's bytes); each view is memory of the rows, not a copy."""
+    identity, chunk_map = _any_case(case)
+    groups = {
+        way: make_store(tmp_path / way, direct_io=direct_io).namespace(identity).group(0)
+        for way in ("gathered", "views")
+    }
+    layout = groups["views"].layout
+    assert layout.dense == case.startswith("dense")  # dense: pieces written in place
+    assert chunk_map.stores_in_place(0, layout.chunk_nbytes)
+    ids = [4, 0, 5, 2]
+    hashes = [block_hash(c, case) for c in ids]
+    reference = _reference_blocks(chunk_map, ids)
+    views = chunk_map.source_views(0, ids)
+    for view in views:
+        assert not view.flags.c_contiguous
+        assert np.shares_memory(view, chunk_map._rows.numpy())
+    for way, blocks in (("gathered", list(reference)), ("views", views)):
+        writes = [
+            BlockWrite(h, b, hashes[j - 1] if j else None)
+            for j, (h, b) in enumerate(zip(hashes, blocks, strict=True))
+        ]
+        results = groups[way].write_blocks(writes)
+        assert [r.status for r in results] == [WriteStatus.WRITTEN] * len(ids), results
+    files = {
+        way: {
+            str(p.relative_to(tmp_path / way)): p.read_bytes() for p in shard_files(tmp_path / way)
+        }
+        for way in groups
+    }
+    assert len(files["views"]) == len(ids)
+    assert files["views"] == files["gathered"]
+
+
+def test_views_apply_exactly_where_pieces_are_whole_chunks(
+    make_store: StoreFactory, tmp_path: Path
+) -> None:
+    """Views need a product-of-axes plan (not the uneven PP split), no plain slice (MLA: the
+    zero-copy slice already), and runs of whole chunks: NHD pages interleave heads per token
+    (128-byte runs), DCP splits a chunk's tokens between ranks; those still gather."""
+    in_place = set()
+    for case in sorted(LAYOUTS) + sorted(DENSE_LAYOUTS):
+        identity, chunk_map = _any_case(case)
+        group = make_store(tmp_path / case).namespace(identity).group(0)
+        if chunk_map.stores_in_place(0, group.layout.chunk_nbytes):
+            in_place.add(case)
+    assert in_place == IN_PLACE
+    _, nhd = _any_case("dense-tp1-nhd")
+    with pytest.raises(ValueError, match="gathered by index"):
+        _build("pp2-uneven").source_views(0, [1])
+    assert nhd.copies_on_store(0)
