@@ -294,8 +294,9 @@ def write_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> No
     pending = [memoryview(b).cast("B") for b in buffers]
     pos = offset
     while pending:
-        batch = pending[:IOV_MAX]
-        want = sum(len(b) for b in batch)
+        # The common case, all of it in one call, slices nothing.
+        batch = pending if len(pending) <= IOV_MAX else pending[:IOV_MAX]
+        want = sum(map(len, batch))
         done = fio.pwritev(fd, batch, pos)
         if done <= 0:
             raise OSError(errno.ENOSPC, "pwritev made no progress")
@@ -309,8 +310,8 @@ def read_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> int
     pos = offset
     total = 0
     while pending:
-        batch = pending[:IOV_MAX]
-        want = sum(len(b) for b in batch)
+        batch = pending if len(pending) <= IOV_MAX else pending[:IOV_MAX]
+        want = sum(map(len, batch))
         done = fio.preadv(fd, batch, pos)
         if done <= 0:
             return total

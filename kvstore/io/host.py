@@ -43,7 +43,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError
 from kvstore.io.align import ALIGN, align_up
 from kvstore.io.buffers import ThreadStaging, aligned_buffer, is_aligned
-from kvstore.io.entries import FileId, corrupt_file_is, file_id
+from kvstore.io.entries import FileId, file_id
 from kvstore.io.fileio import (
     DEFAULT_FILEIO,
     O_DIRECT,
@@ -318,29 +318,22 @@ class HostEngine:
         except FileNotFoundError:
             raise BlockMissingError(path) from None
         try:
-            with corrupt_file_is(st):
-                if st.st_size != file_nbytes and not (allow_trailer and st.st_size > file_nbytes):
-                    raise CorruptBlockError(
-                        f"file size: expected {file_nbytes} bytes, got {st.st_size}"
-                    )
-                runs = (
-                    _coalesce(segments)
-                    if after_each is None
-                    else [(offset, [data]) for offset, data in segments]
-                )
-                for i, (offset, buffers) in enumerate(runs):
-                    want = sum(len(b) for b in buffers)
-                    got = read_fully(self.fio, fd, buffers, offset)
-                    if got != want:
-                        raise CorruptBlockError(
-                            f"short read at {offset}: expected {want}, got {got}"
-                        )
-                    if after_each is not None:
-                        after_each(i)
-                if st.st_mtime_ns < touch_if_older_than_ns:
-                    # A read-only mount or foreign owner: last-use tracking is best effort.
-                    with contextlib.suppress(OSError):
-                        self.fio.touch(fd)
+            # try/except rather than corrupt_file_is(): no generator context per block read.
+            _check_size(st.st_size, file_nbytes, allow_trailer)
+            if after_each is None:
+                for offset, buffers in _coalesce(segments):
+                    _read_run(self.fio, fd, buffers, offset)
+            else:
+                for i, (offset, data) in enumerate(segments):
+                    _read_run(self.fio, fd, [data], offset)
+                    after_each(i)
+            if st.st_mtime_ns < touch_if_older_than_ns:
+                # A read-only mount or foreign owner: last-use tracking is best effort.
+                with contextlib.suppress(OSError):
+                    self.fio.touch(fd)
+        except CorruptBlockError as exc:
+            exc.file_id = file_id(st)  # the file found corrupt, whatever the name holds now
+            raise
         finally:
             self.fio.close(fd)
         return file_id(st)
@@ -384,8 +377,26 @@ def _call(fn: Callable[[T], R], item: T) -> R | BaseException:
         return exc
 
 
+def _check_size(size: int, file_nbytes: int, allow_trailer: bool) -> None:
+    """A file of ``size`` bytes where ``file_nbytes`` are expected is :class:`CorruptBlockError`
+    (``allow_trailer``: longer is fine)."""
+    if size != file_nbytes and not (allow_trailer and size > file_nbytes):
+        raise CorruptBlockError(f"file size: expected {file_nbytes} bytes, got {size}")
+
+
+def _read_run(fio: FileIO, fd: int, buffers: list[memoryview], offset: int) -> None:
+    """Fill ``buffers`` from ``offset`` of ``fd``; a short read is :class:`CorruptBlockError`."""
+    want = sum(map(len, buffers))
+    got = read_fully(fio, fd, buffers, offset)
+    if got != want:
+        raise CorruptBlockError(f"short read at {offset}: expected {want}, got {got}")
+
+
 def _coalesce(segments: Sequence[Segment]) -> list[tuple[int, list[memoryview]]]:
     """Group file-contiguous segments into (offset, buffers) runs for one vectored call each."""
+    if len(segments) == 1:  # the common case of a small block read as one piece
+        offset, data = segments[0]
+        return [(offset, [data])]
     runs: list[tuple[int, list[memoryview]]] = []
     end = -1
     for offset, data in segments:
