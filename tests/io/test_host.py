@@ -289,6 +289,39 @@ def test_short_read_is_corrupt(tmp_path: Path) -> None:
         eng.close()
 
 
+def test_corrupt_reads_name_the_file_read(tmp_path: Path) -> None:
+    """Every CorruptBlockError of read_file carries the (device, inode) of the file it read:
+    wrong size, short read (in one vectored run, and segment by segment), and what the
+    verification callback raises. Quarantine moves a file only while its name holds that."""
+    path = tmp_path / "blk"
+    path.write_bytes(b"x" * 100)
+    st = path.stat()
+    identity = (st.st_dev, st.st_ino)
+    out = bytearray(200)
+    plain = HostEngine(StoreConfig(root=tmp_path, direct_io="off", io_threads=1))
+    short = HostEngine(StoreConfig(root=tmp_path, direct_io="off", io_threads=1), ShortFile())
+    try:
+        with pytest.raises(CorruptBlockError, match="file size") as size_error:
+            plain.read_file(str(path), [(0, memoryview(out)[:10])], 99)
+        two = [(0, memoryview(out)[:50]), (50, memoryview(out)[50:])]
+        with pytest.raises(CorruptBlockError, match="short read at 0") as run_error:
+            short.read_file(str(path), two, 4096)
+        with pytest.raises(CorruptBlockError, match="short read at 50") as piece_error:
+            short.read_file_checked(str(path), two, 4096, 0, lambda i: None)
+
+        def reject(i: int) -> None:
+            raise CorruptBlockError(f"chunk {i}: checksum mismatch")
+
+        with pytest.raises(CorruptBlockError, match="chunk 0") as check_error:
+            plain.read_file_checked(str(path), two[:1], 100, 0, reject)
+        assert plain.read_file(str(path), [(0, memoryview(out)[:100])], 100) == identity
+    finally:
+        plain.close()
+        short.close()
+    for error in (size_error, run_error, piece_error, check_error):
+        assert error.value.file_id == identity
+
+
 @needs_o_direct
 def test_direct_write_requires_tiling_segments(tmp_path: Path) -> None:
     if not o_direct_works(tmp_path):
