@@ -85,15 +85,15 @@ def temp_path_for(final: str, token: str) -> str:
     and DHT's two-step cross-brick link lets two nodes both publish one block (measured:
     docs/shared-filesystems.md). Tokens never contain a dot.
     """
-    directory, name = os.path.split(final)
-    # Strings, not pathlib: this runs once per block written.
-    return os.path.join(directory, f".{name}{TMP_MARK}{token}")  # noqa: PTH118
+    # One partition and one f-string, not pathlib or os.path: this runs once per block written.
+    directory, sep, name = final.rpartition(os.sep)
+    return f"{directory}{sep}.{name}{TMP_MARK}{token}"
 
 
 def final_path_of(temp: str) -> str:
     """Inverse of :func:`temp_path_for`."""
-    directory, name = os.path.split(temp)
-    return os.path.join(directory, name[1 : name.rindex(TMP_MARK)])  # noqa: PTH118
+    directory, sep, name = temp.rpartition(os.sep)
+    return f"{directory}{sep}{name[1 : name.rindex(TMP_MARK)]}"
 
 
 def parse_temp_lo(name: str) -> int | None:

@@ -16,6 +16,13 @@ def test_temp_names_round_trip_and_parse_both_shapes() -> None:
     temp = paths.temp_path_for(final, "00ff")
     assert temp == "/r/ns/g0/c/0/0/0/0/0/7/.1234.tmp-00ff"
     assert paths.final_path_of(temp) == final
+    for name, expected in [
+        ("1234", ".1234.tmp-00ff"),
+        ("/1234", "/.1234.tmp-00ff"),
+        ("a/zarr.json", "a/.zarr.json.tmp-00ff"),
+    ]:  # bare, at /, dotted
+        assert paths.temp_path_for(name, "00ff") == expected
+        assert paths.final_path_of(expected) == name
     assert paths.parse_temp_lo(".1234.tmp-00ff") == 1234
     assert paths.parse_temp_lo("1234.tmp-00ff") == 1234  # the shape before the dot-name
     assert paths.parse_temp_lo("1234") is None
