@@ -16,8 +16,8 @@ once (tiering/base.py):
 * ``submit_store`` / ``submit_load``: queue the job on the store / load threads
   (:class:`connector.tier.jobs.JobRunner`); a store publishes the chunks' canonical blocks
   (:meth:`kvstore.GroupStore.write_blocks`: checksums, atomic rename, fsync per
-  ``durability``), as strided views of the rows where their runs are whole inner chunks of a
-  raw dense array (written from the shared memory as pieces, no gather), else gathered; a
+  ``durability``), gathered (or, with :data:`STORE_FROM_ROWS`, as strided views of the rows
+  where their runs are whole inner chunks of a raw dense array: no gather); a
   load reads and verifies them (:meth:`kvstore.GroupStore.read_blocks`) and scatters
   the hits into the chunk rows;
 * ``get_finished_jobs``: the outcomes. A block that is missing, corrupt (quarantined by the
@@ -79,6 +79,15 @@ log = logging.getLogger("kvstore.connector")
 # job threads (vLLM batches a whole request's promotions into one job), and each bounds its
 # thread's staging buffer.
 JOB_BATCH = 32
+
+# Stores hand the store strided views of the rows (pieces, no gather) where they apply. Off:
+# measured slower today (scripts/bench.py --suite tier, llama-8B 16-token blocks: 256 pieces
+# of 8 KiB per block; kvstore none 1.60 vs 0.85 CPU s/GB, 0.59 vs 1.19 GB/s in one A/B run):
+# the engine spends ~1.5 us of Python per segment (alignment check, write plan, memoryview
+# cast), ~0.4 ms per block, more than the ~0.1 ms gather copy it saves, and the store threads
+# then contend for the GIL. Turn on once the engine takes strided pieces without per-segment
+# Python; the bytes on disk are the gathered ones (tests/connector/test_tier_chunks.py).
+STORE_FROM_ROWS = False
 
 
 class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
@@ -351,7 +360,7 @@ def _in_place(chunks: ChunkMap, group: GroupStore, array: int) -> bool:
     where they are: compressed and padded ones would join the pieces into fresh memory, a copy
     no cheaper than the gather into this tier's reused buffer."""
     layout = group.layout
-    if not layout.dense or group.compression != "none":
+    if not STORE_FROM_ROWS or not layout.dense or group.compression != "none":
         return False
     return chunks.stores_in_place(array, layout.chunk_nbytes)
 

@@ -547,7 +547,7 @@ def block_pieces(data: object, block_nbytes: int, chunk_nbytes: int) -> BlockPie
     for n, stride in zip(shape, strides, strict=True):
         starts = (starts[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
     extent = int(starts.max()) + piece
-    span = as_strided(flat, shape=(extent,), strides=(1,), writeable=False)
+    span = as_strided(flat, shape=(extent,), strides=(1,), writeable=flat.flags.writeable)
     return BlockPieces(
         span=span.data,
         starts=starts.tolist(),
