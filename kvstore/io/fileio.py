@@ -286,8 +286,9 @@ def drop_tree_cache(directory: str | os.PathLike[str]) -> None:
                 os.close(fd)
 
 
-def write_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> None:
-    """``pwritev`` all of ``buffers`` at ``offset``, in IOV_MAX batches, retrying short writes.
+def write_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> int:
+    """``pwritev`` all of ``buffers`` at ``offset``, in IOV_MAX batches, retrying short writes;
+    returns the bytes written (all of them).
 
     A write that makes no progress raises ``OSError(ENOSPC)`` rather than looping forever.
     """
@@ -302,6 +303,7 @@ def write_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> No
             raise OSError(errno.ENOSPC, "pwritev made no progress")
         pos += done
         pending = _advance(pending, done) if done < want else pending[len(batch) :]
+    return pos - offset
 
 
 def read_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> int:

@@ -191,8 +191,7 @@ class HostEngine:
         try:
             end = 0
             for offset, buffers in _coalesce(segments):
-                write_fully(self.fio, fd, buffers, offset)
-                end = max(end, offset + sum(len(b) for b in buffers))
+                end = max(end, offset + write_fully(self.fio, fd, buffers, offset))
             if end != file_nbytes:  # a new file ends where its last byte went
                 self.fio.ftruncate(fd, file_nbytes)
         except BaseException:
@@ -394,9 +393,14 @@ def _read_run(fio: FileIO, fd: int, buffers: list[memoryview], offset: int) -> N
 
 def _coalesce(segments: Sequence[Segment]) -> list[tuple[int, list[memoryview]]]:
     """Group file-contiguous segments into (offset, buffers) runs for one vectored call each."""
-    if len(segments) == 1:  # the common case of a small block read as one piece
+    n = len(segments)
+    if n == 1:
         offset, data = segments[0]
         return [(offset, [data])]
+    if n == 2:  # the common case of a small block: header, then the data right after it
+        (first, head), (second, tail) = segments
+        if second == first + len(head):
+            return [(first, [head, tail])]
     runs: list[tuple[int, list[memoryview]]] = []
     end = -1
     for offset, data in segments:
