@@ -132,7 +132,7 @@ def open_dir_nofollow(
             _check_plain_name(part)
             where = os.path.join(where, part)
             try:
-                child = open_child_dir(fd, part, where)
+                child = _open_child_dir(fd, part, where)
             except FileNotFoundError:
                 if create_mode is None:
                     raise
@@ -143,7 +143,7 @@ def open_dir_nofollow(
                 else:
                     if created is not None:
                         created.append(where)
-                child = open_child_dir(fd, part, where)
+                child = _open_child_dir(fd, part, where)
             os.close(fd)
             fd = child
     except BaseException:
@@ -157,10 +157,7 @@ def _check_plain_name(part: str) -> None:
         raise ValueError(f"directory name: expected one plain name, got {part!r}")
 
 
-def open_child_dir(dir_fd: int, name: str, where: str) -> int:
-    """A descriptor of directory ``name`` in the open directory ``dir_fd`` (``where``: its
-    path, for the error), not following a link and never blocking; a link, file, FIFO... there
-    is :class:`~kvstore.errors.EntryKindError`. The caller closes it."""
+def _open_child_dir(dir_fd: int, name: str, where: str) -> int:
     try:
         return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
     except OSError as exc:

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.errors import EntryKindError
-from kvstore.io.entries import describe_kind, not_regular, open_child_dir, open_dir_nofollow
+from kvstore.io.entries import describe_kind, not_regular, open_dir_nofollow
 from kvstore.io.rename import rename_noreplace, rename_noreplace_at
 
 # Linux's IOV_MAX; os.sysconf may not know it everywhere.
@@ -176,11 +176,6 @@ class FileIO:
         """:func:`open_dir_nofollow` (a descriptor; the caller closes it)."""
         return open_dir_nofollow(root, parts, create_mode=create_mode, created=created)
 
-    def open_dir_at(self, dir_fd: int, name: str, where: str) -> int:
-        """:func:`~kvstore.io.entries.open_child_dir`: directory ``name`` in the open directory
-        ``dir_fd`` (``where``: its path, for errors), no link followed; the caller closes it."""
-        return open_child_dir(dir_fd, name, where)
-
     def rename(self, src: str, dst: str) -> None:
         """Atomically give ``src`` the name ``dst``; ``dst`` must not exist (FileExistsError).
 
@@ -196,12 +191,12 @@ class FileIO:
         os.unlink(path)
 
     def exists(self, path: str) -> bool:
-        """Whether a regular file has the name ``path`` (publishing checks a block name with it;
-        lookups probe with :meth:`exists_at`).
+        """Whether a regular file has the name ``path`` (the existence probe of lookups).
 
         ``lstat``: a symbolic link is not followed. A name held by anything but a regular file
         (a link, FIFO, socket, device, directory) raises
-        :class:`~kvstore.errors.EntryKindError`.
+        :class:`~kvstore.errors.EntryKindError`, which lookups count as a failed probe: a miss,
+        logged.
         """
         try:
             mode = os.lstat(path).st_mode
@@ -209,20 +204,6 @@ class FileIO:
             return False
         if not stat.S_ISREG(mode):
             raise not_regular(path, mode)
-        return True
-
-    def exists_at(self, dir_fd: int, name: str) -> bool:
-        """:meth:`exists` of ``name`` in the open directory ``dir_fd`` (``fstatat`` with
-        ``AT_SYMLINK_NOFOLLOW``): the probe of lookups against a held descriptor of a fan-out
-        directory (:mod:`kvstore.store.fanout_fds`). A name held by anything but a regular file
-        raises :class:`~kvstore.errors.EntryKindError` naming only ``name`` (the caller knows
-        the directory), which lookups count as a failed probe: a miss, logged."""
-        try:
-            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-        except FileNotFoundError:
-            return False
-        if not stat.S_ISREG(mode):
-            raise not_regular(name, mode)
         return True
 
     def makedirs(self, path: str, mode: int = 0o700) -> list[str]:

@@ -74,11 +74,6 @@ class GroupStore:
         self._pending = PendingWriter(array, self._publisher)
         self._reader = Reader(array)
 
-    def close(self) -> None:
-        """Close the directory descriptors its lookups hold (:mod:`.fanout_fds`); a later
-        lookup opens what it needs again."""
-        self._lookup.close()
-
     # -- what it is --------------------------------------------------------------------------
 
     @property

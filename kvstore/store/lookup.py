@@ -2,11 +2,7 @@
 
 :class:`Lookup` answers :meth:`GroupStore.contains <kvstore.store.group_store.GroupStore.contains>`
 and :meth:`~kvstore.store.group_store.GroupStore.longest_prefix` with existence probes of shard
-files: ``fstatat`` of the block's name against a held descriptor of its fan-out directory
-(:mod:`kvstore.store.fanout_fds`: no link followed, descriptors checked against the path once per
-call). A hit is a regular file at the block's name; a link, FIFO, directory or anything else
-there or at its fan-out directory's name, and a probe that fails with an I/O error, are misses
-(counted, one log line per call).
+paths; a probe that fails with an I/O error is a miss (counted, one log line per call).
 
 Longest-prefix search over a hash chain:
 
@@ -26,9 +22,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvstore.keys import check_hash, hash_coords
+from kvstore.keys import check_hash
 from kvstore.store.array import GroupArray
-from kvstore.store.fanout_fds import FanoutDirs
 
 log = logging.getLogger("kvstore")
 
@@ -82,17 +77,8 @@ def _first_sampled_hole(length: int, probe: Callable[[int], bool]) -> int | None
 class Lookup:
     """Existence probes of one group array's published block files."""
 
-    def __init__(self, array: GroupArray, max_held: int | None = None) -> None:
-        """``max_held``: fan-out directory descriptors held at most (default:
-        :func:`~kvstore.store.fanout_fds.default_max_held`)."""
+    def __init__(self, array: GroupArray) -> None:
         self.array = array
-        root = array.array_path.parent.parent  # <root>/<namespace>/g<k>
-        parts = array.paths.fanout_root.relative_to(root).parts
-        self.fanout = FanoutDirs(array.fio, root, parts, max_held)
-
-    def close(self) -> None:
-        """Close the held directory descriptors (a later lookup opens what it needs again)."""
-        self.fanout.close()
 
     def contains(self, hashes: Sequence[bytes]) -> list[bool]:
         """For each hash, whether a published block exists (no content check).
@@ -106,21 +92,8 @@ class Lookup:
         local disk (a few microseconds each) they stay on this thread, in one loop without
         per-probe locking (vLLM's secondary tier probes 256 keys per step this way).
         """
+        probe = _Probe(self.array)
         checked = [check_hash(h) for h in hashes]
-        probe = _Probe(self.array, self.fanout)
-        try:
-            found, threaded = self._probe_all(probe, checked)
-        finally:
-            probe.done(lookups=0)
-        for result in threaded:
-            if isinstance(result, BaseException):  # not an I/O error (those are misses): a bug
-                raise result
-            found.append(result)
-        return found
-
-    def _probe_all(
-        self, probe: _Probe, checked: list[bytes]
-    ) -> tuple[list[bool], list[bool | BaseException]]:
         # Each of the first probes is timed alone: one slow probe is a preemption or a wait
         # for the GIL on a busy machine, not a network file system; both slow is one.
         found: list[bool] = []
@@ -135,7 +108,12 @@ class Lookup:
             threaded = list(self.array.engine.map(probe, rest))
         else:
             found += probe.serial(rest)  # one tight loop: a local probe costs microseconds
-        return found, threaded
+        probe.done(lookups=0)
+        for result in threaded:
+            if isinstance(result, BaseException):  # not an I/O error (those are misses): a bug
+                raise result
+            found.append(result)
+        return found
 
     def longest_prefix(self, chain: Sequence[bytes]) -> int:
         """Number of leading blocks of ``chain`` (hashes of consecutive blocks) present.
@@ -145,38 +123,30 @@ class Lookup:
         are probed too, and a hole found there shortens the answer. O(log n) probes. A probe
         that fails with an I/O error answers "absent", as in :meth:`contains`.
         """
-        probe = _Probe(self.array, self.fanout)
-        try:
-            return longest_present_prefix(len(chain), lambda i: probe(check_hash(chain[i])))
-        finally:
-            probe.done(lookups=1)
+        probe = _Probe(self.array)
+        result = longest_present_prefix(len(chain), lambda i: probe(check_hash(chain[i])))
+        probe.done(lookups=1)
+        return result
 
 
 class _Probe:
     """Existence probes of one lookup call: I/O errors are misses, counted and logged once."""
 
-    def __init__(self, array: GroupArray, fanout: FanoutDirs) -> None:
+    def __init__(self, array: GroupArray) -> None:
         self._array = array
-        self._fanout = fanout
-        self._exists_at = array.fio.exists_at
+        self._exists = array.fio.exists
         self.probes = 0
         self.errors = 0
-        self._first: tuple[int, int, OSError] | None = None  # (hash_hi, hash_lo, error)
+        self._first: OSError | None = None
         self._lock = threading.Lock()  # contains() probes from the I/O threads
-        self._epoch = fanout.begin()  # after this, every exit goes through done()
-        self._dirs = fanout.dirs
 
     def __call__(self, block_hash: bytes) -> bool:
-        hi, lo = hash_coords(block_hash)
         try:
-            fd = self._dirs.get(hi)
-            if fd is None:
-                fd = self._fanout.open(hi)
-            found = fd is not None and self._exists_at(fd, str(lo))
+            found = self._exists(self._array.block_path(block_hash))
         except OSError as exc:
             with self._lock:
                 self.errors += 1
-                self._first = self._first or (hi, lo, exc)
+                self._first = self._first or exc
             found = False
         with self._lock:
             self.probes += 1
@@ -184,37 +154,26 @@ class _Probe:
 
     def serial(self, hashes: Sequence[bytes]) -> list[bool]:
         """Probes of (checked) ``hashes`` on this thread, while no other thread probes."""
-        exists_at, dirs, fanout = self._exists_at, self._dirs, self._fanout
+        exists, block = self._exists, self._array.paths.block
         found = []
         for block_hash in hashes:
-            hi, lo = hash_coords(block_hash)
             try:
-                fd = dirs.get(hi)
-                if fd is None:
-                    fd = fanout.open(hi)
-                    if fd is None:  # no such fan-out directory
-                        found.append(False)
-                        continue
-                found.append(exists_at(fd, str(lo)))
+                found.append(exists(block(block_hash)))
             except OSError as exc:
                 self.errors += 1
-                self._first = self._first or (hi, lo, exc)
+                self._first = self._first or exc
                 found.append(False)
         self.probes += len(hashes)
         return found
 
     def done(self, lookups: int) -> None:
-        self._fanout.end(self._epoch)
         array = self._array
         array.stats.add(lookups=lookups, probes=self.probes, read_errors=self.errors)
         if self._first is not None:
-            hi, lo, exc = self._first
             log.warning(
-                "kvstore: %d of %d existence probes in %s failed (first: %s (%s)); answered "
-                "as misses",
+                "kvstore: %d of %d existence probes in %s failed (first: %s); answered as misses",
                 self.errors,
                 self.probes,
                 array.label,
-                array.paths.block_at(hi, lo),
-                exc,
+                self._first,
             )

@@ -177,9 +177,6 @@ class KVStore:
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        for namespace in self._namespaces.values():
-            for group in namespace.groups:
-                group.close()
         self.engine.close()
 
     def __enter__(self) -> KVStore:

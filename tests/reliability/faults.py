@@ -152,11 +152,6 @@ class FaultFileIO(FileIO):
             raise self._fail("exists", path)
         return super().exists(path)
 
-    def exists_at(self, dir_fd: int, name: str) -> bool:
-        if self._hit("exists_at"):
-            raise self._fail("exists_at", name)
-        return super().exists_at(dir_fd, name)
-
     def makedirs(self, path: str, mode: int = 0o700) -> list[str]:
         if self._hit("makedirs"):
             raise self._fail("makedirs", path)

@@ -111,11 +111,6 @@ class KillingFileIO(FileIO):
             self._die()
         return super().exists(path)
 
-    def exists_at(self, dir_fd: int, name: str) -> bool:
-        if self._tick():
-            self._die()
-        return super().exists_at(dir_fd, name)
-
 
 def _prefix(views: list[memoryview], nbytes: int) -> list[memoryview]:
     out = []

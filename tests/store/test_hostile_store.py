@@ -483,10 +483,6 @@ class _CountingFileIO(FileIO):
         self._count("exists")
         return super().exists(path)
 
-    def exists_at(self, dir_fd: int, name: str) -> bool:
-        self._count("exists")
-        return super().exists_at(dir_fd, name)
-
     def lstat_at(self, dir_fd: int | None, name: str) -> os.stat_result:
         self._count("lstat")
         return super().lstat_at(dir_fd, name)
@@ -494,8 +490,7 @@ class _CountingFileIO(FileIO):
 
 def test_reads_and_lookups_cost_one_call_each(make_store: StoreFactory) -> None:
     """A read of some chunks: one open, one fstat (regular-file check, size and identity
-    together); a lookup: one probe per hash and one check of the held fan-out root, nothing
-    opened once the fan-out directories are held."""
+    together); a lookup: one probe per hash, nothing opened."""
     fio = _CountingFileIO()
     group = make_store(fio=fio).namespace(make_small_identity()).group(0)
     h, _ = _write(group, 14)
@@ -504,7 +499,6 @@ def test_reads_and_lookups_cost_one_call_each(make_store: StoreFactory) -> None:
     (result,) = group.read_blocks([BlockRead(h, out, [0, group.layout.num_chunks - 1])])
     assert result.status is ReadStatus.HIT
     assert fio.calls == {"open": 1, "fstat": 1}
-    group.contains([h])  # the first lookup opens the fan-out root (kvstore.store.fanout_fds)
     fio.calls.clear()
     assert group.contains([h, block_hash(15, "hostile")]) == [True, False]
-    assert fio.calls == {"exists": 2, "lstat": 1}  # and one lstat of the fan-out root per call
+    assert fio.calls == {"exists": 2}

@@ -1,14 +1,13 @@
 """``contains`` on a slow (shared) file system: probes spread over the I/O threads.
 
-A FileIO whose ``exists_at`` (the probe of lookups) takes a millisecond stands in for a network
-round trip. The batch must then run on several threads, give the same answers as one thread
-would, turn I/O errors into misses (counted, logged once), and count every probe exactly once.
+A FileIO whose ``exists`` takes a millisecond stands in for a network round trip. The batch
+must then run on several threads, give the same answers as one thread would, turn I/O errors
+into misses (counted, logged once), and count every probe exactly once.
 """
 
 from __future__ import annotations
 
 import errno
-import os
 import threading
 import time
 import types
@@ -29,13 +28,13 @@ class SlowFileIO(FileIO):
         self.threads: set[str] = set()
         self._lock = threading.Lock()
 
-    def exists_at(self, dir_fd: int, name: str) -> bool:
+    def exists(self, path: str) -> bool:
         with self._lock:
             self.threads.add(threading.current_thread().name)
         time.sleep(self.delay_s)
-        if os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), name) in self.failing:
-            raise OSError(errno.EIO, "injected", name)
-        return super().exists_at(dir_fd, name)
+        if path in self.failing:
+            raise OSError(errno.EIO, "injected", path)
+        return super().exists(path)
 
 
 @pytest.mark.parametrize("delay_s", [0.0, 0.001])
@@ -87,12 +86,12 @@ class OneSlowProbe(FileIO):
     def clock(self) -> float:
         return self.now
 
-    def exists_at(self, dir_fd: int, name: str) -> bool:
+    def exists(self, path: str) -> bool:
         self.calls += 1
         self.threads.add(threading.current_thread().name)
         if self.calls == 1:
             self.now += 0.002
-        return super().exists_at(dir_fd, name)
+        return super().exists(path)
 
 
 def test_one_slow_probe_keeps_the_batch_on_this_thread(
