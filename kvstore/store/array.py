@@ -3,29 +3,39 @@
 A :class:`GroupArray` is fixed when a namespace is opened (:mod:`kvstore.store.page_store`)
 and shared by the modules that implement :class:`~kvstore.store.group_store.GroupStore`:
 lookup (:mod:`.lookup`), publishing (:mod:`.publish`, :mod:`.pending`) and reading
-(:mod:`.read`). It holds no mutable state (the stats object it points to counts for the
-whole store).
+(:mod:`.read`). Its only mutable state is the memo of fan-out directories already checked
+(:meth:`GroupArray.block_path`); the stats object it points to counts for the whole store.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import stat
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from time import monotonic  # (a name of this module: tests move its clock)
 
 from kvstore.checksum import checksum_id
-from kvstore.errors import KvstoreError
+from kvstore.errors import EntryKindError, KvstoreError
 from kvstore.identity import GroupSpec
 from kvstore.io.engine import DeviceEngine, Engine, device_engine
+from kvstore.io.entries import describe_kind
 from kvstore.io.fileio import FileIO
+from kvstore.keys import HASH_HI_FANOUT, hash_coords
 from kvstore.store.check import ShardSpec
 from kvstore.store.codec import Codec
 from kvstore.store.compression import CompressedShards
 from kvstore.store.format import ShardLayout
 from kvstore.store.paths import ArrayPaths
 from kvstore.store.types import StoreStats
+
+# Seconds a fan-out directory seen to be a real directory is trusted before it is checked
+# again: bounds how long a link put in its place while the server runs is followed, at one
+# lstat per fan-out directory per period (256 per array at most).
+FANOUT_RECHECK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -84,8 +94,42 @@ class GroupArray:
         return CompressedShards(self.codec, self.shard, self.engine)
 
     def block_path(self, block_hash: bytes) -> str:
-        """Absolute path of the published shard file of a (checked) block hash."""
-        return self.paths.block(block_hash)
+        """Absolute path of the published shard file of a (checked) block hash.
+
+        Block files are opened, created and renamed by this path with ``O_NOFOLLOW``, which
+        refuses a link only at the last component, and the directories above the fan-out
+        directories were entered with no link followed when the namespace was opened. So the
+        block's fan-out directory is checked here (one ``lstat``, then again once
+        :data:`FANOUT_RECHECK_S` have passed): a link (to anywhere), file or FIFO at its name
+        raises :class:`~kvstore.errors.EntryKindError` (an OSError: lookups and reads count a
+        miss, writes fail) instead of taking the operation through it, perhaps outside the
+        root. A missing fan-out directory is not remembered: a writer creates it with no link
+        followed (:meth:`open_dir`), and the next call checks it. A directory replaced by a
+        link while the server runs can be followed until its next check (at most
+        :data:`FANOUT_RECHECK_S`); the directories above the fan-out directories are checked
+        only when the namespace is opened.
+        """
+        hi, lo = hash_coords(block_hash)
+        now = monotonic()
+        if now - self._fanouts_checked[hi] > FANOUT_RECHECK_S:
+            self._check_fanout(hi, now)
+        return f"{self.paths.prefix}{hi}{os.sep}{lo}"
+
+    @cached_property
+    def _fanouts_checked(self) -> list[float]:
+        """When (monotonic seconds) each fan-out directory was last seen to be a real
+        directory; -inf: not yet."""
+        return [-math.inf] * HASH_HI_FANOUT
+
+    def _check_fanout(self, hash_hi: int, now: float) -> None:
+        path = os.fspath(self.paths.fanout_dir(hash_hi))
+        try:
+            mode = self.fio.lstat_at(None, path).st_mode
+        except FileNotFoundError:
+            return  # nothing there to follow; an open below it fails with ENOENT
+        if not stat.S_ISDIR(mode):
+            raise EntryKindError(f"{path}: expected a directory, got {describe_kind(mode)}")
+        self._fanouts_checked[hash_hi] = now
 
     def check_writable(self) -> None:
         if self.read_only:

@@ -154,7 +154,7 @@ class _Probe:
 
     def serial(self, hashes: Sequence[bytes]) -> list[bool]:
         """Probes of (checked) ``hashes`` on this thread, while no other thread probes."""
-        exists, block = self._exists, self._array.paths.block
+        exists, block = self._exists, self._array.block_path
         found = []
         for block_hash in hashes:
             try:

@@ -490,7 +490,8 @@ class _CountingFileIO(FileIO):
 
 def test_reads_and_lookups_cost_one_call_each(make_store: StoreFactory) -> None:
     """A read of some chunks: one open, one fstat (regular-file check, size and identity
-    together); a lookup: one probe per hash, nothing opened."""
+    together); a lookup: one probe per hash, nothing opened (plus, the first time, one check
+    of a fan-out directory not seen before)."""
     fio = _CountingFileIO()
     group = make_store(fio=fio).namespace(make_small_identity()).group(0)
     h, _ = _write(group, 14)
@@ -499,6 +500,10 @@ def test_reads_and_lookups_cost_one_call_each(make_store: StoreFactory) -> None:
     (result,) = group.read_blocks([BlockRead(h, out, [0, group.layout.num_chunks - 1])])
     assert result.status is ReadStatus.HIT
     assert fio.calls == {"open": 1, "fstat": 1}
+    fio.calls.clear()
+    assert group.contains([h, block_hash(15, "hostile")]) == [True, False]
+    # a fan-out directory not seen yet is checked once (GroupArray.block_path), then trusted
+    assert fio.calls.get("exists") == 2 and fio.calls.get("lstat", 0) <= 1, fio.calls
     fio.calls.clear()
     assert group.contains([h, block_hash(15, "hostile")]) == [True, False]
     assert fio.calls == {"exists": 2}
