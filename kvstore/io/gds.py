@@ -94,12 +94,7 @@ class GdsEngine(HostEngine):
         if host is not None:
             super().write_file(path, host, file_nbytes, exclusive=exclusive, sync=sync)
         elif exclusive:
-            fd = self._write_new(path, segments, file_nbytes)
-            try:
-                if self.config.durable and sync:
-                    self.fio.fdatasync(fd)
-            finally:
-                self.fio.close(fd)
+            self._sync_and_close(self._write_new(path, segments, file_nbytes), sync)
         else:
             fd = self.fio.open(path, os.O_WRONLY | os.O_CREAT, self.config.file_mode)
             try:

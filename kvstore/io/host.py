@@ -161,12 +161,7 @@ class HostEngine:
     ) -> None:
         """Write ``segments`` into ``path``; see the module docstring for the contract."""
         if exclusive:
-            fd = self.write_new_file(path, segments, file_nbytes)
-            try:
-                if self.config.durable and sync:
-                    self.fio.fdatasync(fd)
-            finally:
-                self.fio.close(fd)
+            self._sync_and_close(self.write_new_file(path, segments, file_nbytes), sync)
             return
         fd = self.fio.open(path, os.O_WRONLY | os.O_CREAT, self.config.file_mode)
         try:
@@ -198,6 +193,15 @@ class HostEngine:
             self.fio.close(fd)
             raise
         return fd
+
+    def _sync_and_close(self, fd: int, sync: bool) -> None:
+        """The end of a whole new file's write: synced when the store is durable and ``sync``,
+        then closed (closed even when the sync fails)."""
+        try:
+            if self.config.durable and sync:
+                self.fio.fdatasync(fd)
+        finally:
+            self.fio.close(fd)
 
     def finish_file(self, path: str, file_nbytes: int, segments: Sequence[Segment] = ()) -> None:
         """The committer's step on a shared temporary file: write its last ``segments``, cut it
