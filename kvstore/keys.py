@@ -24,6 +24,10 @@ HASH_HI_FANOUT = 256
 
 def check_hash(block_hash: bytes) -> bytes:
     """Return ``block_hash`` as ``bytes`` if its length is one format v1 can key, else raise."""
+    # Per block read and written: plain bytes of a good length (the engines' hashes) are
+    # returned as they are (bytes() of exact bytes is the same object anyway).
+    if type(block_hash) is bytes and MIN_HASH_BYTES <= len(block_hash) <= MAX_HASH_BYTES:
+        return block_hash
     if not isinstance(block_hash, bytes | bytearray | memoryview):
         raise KvstoreError(f"block hash: expected bytes, got {type(block_hash).__name__}")
     raw = bytes(block_hash)

@@ -49,7 +49,7 @@ log = logging.getLogger("kvstore")
 T = TypeVar("T")
 
 
-@dataclass
+@dataclass(slots=True)
 class Written:
     """A temporary block file the first pass of :meth:`Publisher.write_blocks` wrote, with
     its descriptor while the batch holds it (durable stores: the file is synced on it, and
@@ -64,6 +64,10 @@ class Written:
 Published = tuple[WriteStatus, str | None, FileId | Written | None]
 
 _ZEROS = memoryview(bytes(fmt.ALIGN))
+# Results without an error message are immutable: one object each for every block.
+_WRITTEN = WriteResult(WriteStatus.WRITTEN)
+_EXISTS = WriteResult(WriteStatus.EXISTS)
+_RESULT_OF = {WriteStatus.WRITTEN: _WRITTEN, WriteStatus.EXISTS: _EXISTS}
 
 
 def max_held_files() -> int:
@@ -123,6 +127,7 @@ class Publisher:
         """
         self.array.check_writable()
         engine = self.array.engine
+        durable = engine.config.durable
         results: list[Published | BaseException] = []
         held: list[Written] = []
         try:
@@ -132,7 +137,8 @@ class Publisher:
                     self._close_all(held)
                     held = []
                 staged = engine.map(self._write_one, writes[start : start + MAX_HELD_FILES])
-                held = [w for w in staged if isinstance(w, Written) and w.fd is not None]
+                if durable:  # only a durable store's files keep their descriptors
+                    held = [w for w in staged if type(w) is Written and w.fd is not None]
                 results += engine.map(self._publish, staged)
             return self.finish_writes(results, [w.block_hash for w in writes])
         finally:
@@ -428,35 +434,45 @@ class Publisher:
     ) -> list[WriteResult]:
         """Fsync the directories of published blocks (once each), count, log failures."""
         array = self.array
+        durable = array.engine.config.durable
         out: list[WriteResult] = []
+        # Directories to sync and the identities of the files published: kept only when
+        # the store is durable (nothing else reads them).
         dirs: set[str] = set()
         failures: list[str] = []
         published: dict[int, FileId | Written | None] = {}
         for i, (result, block_hash) in enumerate(zip(results, hashes, strict=True)):
+            if type(result) is tuple:  # published, or present already (the common cases)
+                status, directory, identity = result
+                out.append(_RESULT_OF[status])
+                if durable:
+                    if status is WriteStatus.WRITTEN and directory is not None:
+                        dirs.add(directory)
+                    published[i] = identity
+                continue
             if isinstance(result, FileExistsError) and result.filename2 == array.block_path(
                 block_hash
             ):
                 # The publishing rename found the block there: another process or node
                 # published it since our existence check (FileIO.rename never replaces).
-                out.append(WriteResult(WriteStatus.EXISTS))
+                out.append(_EXISTS)
                 continue
-            if isinstance(result, BaseException):
-                message = f"{type(result).__name__}: {result}"
-                failures.append(f"{short_hash(block_hash)} ({message})")
-                out.append(WriteResult(WriteStatus.FAILED, message))
-                continue
-            status, directory, identity = result
-            if status is WriteStatus.WRITTEN and directory is not None:
-                dirs.add(directory)
-            published[i] = identity
-            out.append(WriteResult(status))
-        if dirs and array.engine.config.durable:
+            assert isinstance(result, BaseException)  # Published is a tuple
+            message = f"{type(result).__name__}: {result}"
+            failures.append(f"{short_hash(block_hash)} ({message})")
+            out.append(WriteResult(WriteStatus.FAILED, message))
+        if dirs:
             failures += self._sync_dirs(sorted(dirs), hashes, out, published)
-        written = sum(r.status is WriteStatus.WRITTEN for r in out)
+        # Counted once the directory syncs have withdrawn what they must (one pass, no
+        # generator per status).
+        counts = dict.fromkeys(WriteStatus, 0)
+        for outcome in out:
+            counts[outcome.status] += 1
+        written = counts[WriteStatus.WRITTEN]
         array.stats.add(
             blocks_written=written,
-            blocks_existing=sum(r.status is WriteStatus.EXISTS for r in out),
-            write_failures=sum(r.status is WriteStatus.FAILED for r in out),
+            blocks_existing=counts[WriteStatus.EXISTS],
+            write_failures=counts[WriteStatus.FAILED],
             bytes_written=written * array.layout.block_nbytes,
         )
         if failures:
