@@ -26,7 +26,9 @@ every model of ``models.json`` at 16- and 256-token blocks, with the ratios meas
 commit before the fast-path work printed next to this run's
 (:data:`kvstore.bench.throughput.TMPFS_BASELINE`), then the same comparison by CPU time
 (:func:`kvstore.bench.throughput.cpu_ab`, which other jobs on a shared machine barely move).
-Any other ``--root`` on any file system works the same way; ``--tmpfs`` only picks the
+Both tables also give kvstore / the protocol floor (:mod:`kvstore.bench.floor`: the system
+calls and checksums kvstore's protocol requires, in the leanest Python) and floor / raw, so
+what kvstore's code costs and what its protocol costs are told apart. Any other ``--root`` on any file system works the same way; ``--tmpfs`` only picks the
 defaults.
 
 The default run takes about two minutes on a 2-core VM (small data); ``--full`` runs the
@@ -133,7 +135,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help=(
             "fast-storage run: throughput and overhead under /dev/shm, every model at 16 and "
-            "256 tokens, kvstore vs raw; prints the ratios next to the old ones"
+            "256 tokens, kvstore vs raw and the protocol floor; prints the ratios next to the "
+            "old ones"
         ),
     )
     parser.add_argument("--store-blocks", type=int, default=None, help="lookup store size")
@@ -199,7 +202,7 @@ def _tmpfs_defaults(args: argparse.Namespace) -> None:
     if args.block_tokens is None:
         args.block_tokens = "16,256"
     if args.systems is None:
-        args.systems = "kvstore,raw"
+        args.systems = "kvstore,raw,floor"
     if args.repeat is None:
         args.repeat = 3
 

@@ -2,7 +2,10 @@
 
 Tiny blocks on tmpfs (``/dev/shm``), one thread, no fsync, so that I/O time nearly vanishes and
 what is left is what the store's code adds per block (checksums, header, index, temporary file
-and rename on writes; header decode and checks on reads).
+and rename on writes; header decode and checks on reads). The protocol floor
+(:class:`~kvstore.bench.floor.ProtocolFloor`: the system calls and checksums the protocol
+requires, leanest Python) runs beside them: store / floor is what the store's code adds to its
+protocol, floor / raw what the protocol adds to plain I/O.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.bench.common import RawFloor, make_workload
+from kvstore.bench.floor import ProtocolFloor
 from kvstore.bench.lookup import tiny_identity
 from kvstore.bench.systems import KvstoreSystem
 
@@ -21,31 +25,36 @@ def run(blocks: int) -> dict[str, Any]:
     shm = Path("/dev/shm")  # noqa: S108 - tmpfs, so that I/O time vanishes
     scratch = Path(tempfile.mkdtemp(dir=shm if shm.is_dir() else None))
     try:
-        store = KvstoreSystem(scratch / "store", tiny_identity(), 1, "none", "none", "off")
+        identity = tiny_identity()
+        store = KvstoreSystem(scratch / "store", identity, 1, "none", "none", "off")
+        layout = store.group.layout
         raw = RawFloor(scratch / "raw", 1, durable=False)
+        floor = ProtocolFloor(scratch / "floor", layout, identity.digest, 1, durable=False)
         try:
-            work = make_workload(store.group.layout, blocks, seed=11, tag="overhead")
+            work = make_workload(layout, blocks, seed=11, tag="overhead")
             outs = work.outs
-            sw, rw = store.write(work), raw.write(work)
-            sr, rr = store.read(work, outs), raw.read(work, outs)
+            sw, rw, fw = store.write(work), raw.write(work), floor.write(work)
+            sr, rr, fr = store.read(work, outs), raw.read(work, outs), floor.read(work, outs)
         finally:
             store.close()
             raw.close()
+            floor.close()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    def per_block(store_s: float, raw_s: float) -> dict[str, float]:
+    def per_block(store_s: float, raw_s: float, floor_s: float) -> dict[str, float]:
         return {
             "store": round(store_s / blocks * 1e6, 1),
             "raw": round(raw_s / blocks * 1e6, 1),
             "overhead": round((store_s - raw_s) / blocks * 1e6, 1),
+            "floor": round(floor_s / blocks * 1e6, 1),  # the protocol floor
         }
 
     return {
         "blocks": blocks,
         "block_bytes": work.block_nbytes,
-        "write_us_per_block": per_block(sw, rw),
-        "read_us_per_block": per_block(sr, rr),
+        "write_us_per_block": per_block(sw, rw, fw),
+        "read_us_per_block": per_block(sr, rr, fr),
     }
 
 
@@ -57,8 +66,10 @@ BASELINE_US: dict[str, tuple[float, float]] = {"write": (60.4, 10.7), "read": (4
 
 
 def versus_baseline(result: dict[str, Any]) -> str:
-    """Store time per block as a multiple of raw, this run next to :data:`BASELINE_US`."""
+    """Store time per block as a multiple of raw, this run next to :data:`BASELINE_US`, and
+    (where measured) as a multiple of the protocol floor's, and the floor's of raw."""
     parts = []
+    floors = []
     for phase in ("write", "read"):
         now = result[f"{phase}_us_per_block"]
         text = f"{phase} {now['store'] / now['raw']:.1f}x raw ({now['store']} / {now['raw']} µs)"
@@ -66,16 +77,29 @@ def versus_baseline(result: dict[str, Any]) -> str:
             store, raw = BASELINE_US[phase]
             text += f", {BASELINE_COMMIT}: {store / raw:.1f}x ({store} / {raw} µs)"
         parts.append(text)
-    return "per-block time, store / raw: " + "; ".join(parts)
+        if now.get("floor"):
+            floors.append(
+                f"{phase} {now['store'] / now['floor']:.1f}x protocol floor "
+                f"({now['store']} / {now['floor']} µs; floor / raw {now['floor'] / now['raw']:.1f}x)"
+            )
+    text = "per-block time, store / raw: " + "; ".join(parts)
+    return text + ("; store / protocol floor: " + "; ".join(floors) if floors else "")
 
 
 def table(result: dict[str, Any]) -> str:
     w, r = result["write_us_per_block"], result["read_us_per_block"]
-    return (
+    text = (
         f"python overhead per block (tmpfs, {result['block_bytes']} B blocks): write "
         f"{w['overhead']} us (store {w['store']}, raw {w['raw']}), read {r['overhead']} us "
         f"(store {r['store']}, raw {r['raw']})"
     )
+    if "floor" in w and "floor" in r:
+        text += (
+            f"; protocol floor: write {w['floor']} us (store / floor "
+            f"{w['store'] / w['floor']:.2f}x), read {r['floor']} us (store / floor "
+            f"{r['store'] / r['floor']:.2f}x)"
+        )
+    return text
 
 
 def markdown(result: dict[str, Any]) -> list[str]:
@@ -86,4 +110,12 @@ def markdown(result: dict[str, Any]) -> list[str]:
         "",
         f"* write: store {w['store']} µs, raw {w['raw']} µs, **overhead {w['overhead']} µs**",
         f"* read: store {r['store']} µs, raw {r['raw']} µs, **overhead {r['overhead']} µs**",
-    ]
+    ] + (
+        [
+            f"* protocol floor (the system calls and checksums the protocol requires, leanest "
+            f"Python): write {w['floor']} µs, read {r['floor']} µs; store / floor: write "
+            f"**{w['store'] / w['floor']:.2f}x**, read **{r['store'] / r['floor']:.2f}x**",
+        ]
+        if w.get("floor") and r.get("floor")
+        else []
+    )

@@ -1,7 +1,8 @@
 """The systems the throughput suite compares, one class each, behind one small protocol.
 
 :class:`KvstoreSystem` (the store, buffered or ``direct_reads``), :class:`RawSystem` (the raw
-floor), :class:`VllmFsSystem` (vLLM 0.33's filesystem tier I/O, where ``vllm`` imports) and
+floor), :class:`FloorSystem` (the protocol floor: kvstore's mandatory system calls and checksums
+in the leanest Python, :mod:`kvstore.bench.floor`), :class:`VllmFsSystem` (vLLM 0.33's filesystem tier I/O, where ``vllm`` imports) and
 :class:`SafetensorsSystem` (one safetensors file per block); what each does and pays is in
 :mod:`kvstore.bench.throughput`. :func:`make_system` builds one by name.
 """
@@ -18,14 +19,16 @@ import numpy as np
 import torch
 
 from kvstore.bench.common import RawFloor, Workload
+from kvstore.bench.floor import ProtocolFloor
 from kvstore.config import StoreConfig
 from kvstore.identity import Identity
+from kvstore.store.format import ShardLayout
 from kvstore.store.page_store import KVStore
 from kvstore.store.types import BlockRead, BlockWrite, WriteStatus
 
-SYSTEMS = ("kvstore", "kvstore-direct", "raw", "vllm-fs", "safetensors")
+SYSTEMS = ("kvstore", "kvstore-direct", "raw", "floor", "vllm-fs", "safetensors")
 MINE = ("kvstore", "kvstore-direct")
-OTHERS = ("raw", "vllm-fs", "safetensors")
+OTHERS = ("raw", "floor", "vllm-fs", "safetensors")
 
 
 class System(Protocol):
@@ -225,6 +228,18 @@ class RawSystem(RawFloor):
     """The raw floor as a benchmark system."""
 
 
+class FloorSystem(ProtocolFloor):
+    """The protocol floor as a benchmark system, for the blocks of ``identity``'s first group
+    (the group the throughput suite writes)."""
+
+    def __init__(
+        self, root: Path, identity: Identity, threads: int, durable: bool, direct: bool
+    ) -> None:
+        spec = identity.groups[0]
+        layout = ShardLayout.for_group(spec, identity.tokens_per_block, identity.dtype.itemsize)
+        super().__init__(root, layout, identity.digest, threads, durable, direct)
+
+
 def available_systems(wanted: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """The systems of ``wanted`` that can run here, and why the others cannot."""
     skipped: dict[str, str] = {}
@@ -256,6 +271,8 @@ def make_system(  # noqa: PLR0913 - the union of what the systems' constructors 
         )
     if name == "raw":
         return RawSystem(root, threads, durability == "full", direct)
+    if name == "floor":
+        return FloorSystem(root, identity, threads, durability == "full", direct)
     if name == "vllm-fs":
         return VllmFsSystem(root, threads)
     return SafetensorsSystem(root, threads)

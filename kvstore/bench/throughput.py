@@ -7,6 +7,13 @@ For each (model, block tokens) the same KV-like blocks are written, read cold an
   ``full``), every read verified.
 * ``raw``: the raw floor (:class:`~kvstore.bench.common.RawFloor`): plain ``pwrite``/``preadv``,
   one file per block, the same threads, write mode and durability as kvstore.
+* ``floor``: the protocol floor (:class:`~kvstore.bench.floor.ProtocolFloor`): exactly the
+  system calls and checksums kvstore's protocol requires (``lstat``, ``O_EXCL`` temporary file,
+  header, chunks and index, ``fdatasync``, ``renameat2(RENAME_NOREPLACE)``, directory
+  ``fsync``; reads: ``fstat``, header and xxh3_64 of every chunk checked) in the leanest
+  Python, on the raw floor's threads, write mode and durability. kvstore / floor is what
+  kvstore's code costs; floor / raw is what the protocol itself costs (the best kvstore / raw
+  could be).
 * ``vllm-fs``: vLLM 0.33's own filesystem tier I/O, ``batch_store_block`` /
   ``batch_load_block`` of ``vllm.v1.kv_offload.tiering.fs.io`` (its C extension where present)
   with O_DIRECT as its ``probe_o_direct`` decides, files laid out as its ``FileMapper`` names
@@ -103,6 +110,14 @@ def run_config(  # noqa: PLR0913 - one configuration of the suite: its scripts/b
                     phase: round(results[mine][f"{phase}_gbs"] / results[other][f"{phase}_gbs"], 3)
                     for phase in PHASES
                 }
+    floor_to_raw = (
+        {
+            phase: round(results["floor"][f"{phase}_gbs"] / results["raw"][f"{phase}_gbs"], 3)
+            for phase in PHASES
+        }
+        if "floor" in results and "raw" in results
+        else None
+    )
     return {
         "model": model,
         "block_tokens": block_tokens,
@@ -115,6 +130,8 @@ def run_config(  # noqa: PLR0913 - one configuration of the suite: its scripts/b
         "systems": results,
         "kvstore_ratio_to": ratios.get("kvstore", {}),
         "ratios": ratios,
+        # protocol floor / raw floor: what the protocol itself costs (absent without both)
+        **({"floor_ratio_to_raw": floor_to_raw} if floor_to_raw else {}),
         "described": described,
     }
 
@@ -218,15 +235,21 @@ def cpu_ab(  # noqa: PLR0913 - the configurations to sweep, then the run's knobs
     threads: int = 4,
     rounds: int = CPU_AB_ROUNDS,
     mib: float = CPU_AB_MIB,
+    floor: bool = True,
 ) -> list[dict[str, Any]]:
     """kvstore / raw floor by CPU time: what the throughput ratio is where the CPU, not the
     storage, is the limit (tmpfs), measured so that other jobs on a shared machine barely
     move it (they take wall time, not this process's CPU seconds).
 
-    Per configuration, ``rounds`` rounds alternate which system goes first; each writes the
+    Per configuration, ``rounds`` rounds rotate which system goes first; each writes the
     blocks (durability full) and reads them twice, the second read timed; the process's CPU
-    seconds (all threads) of the best round per system and phase give the ratio.
+    seconds (all threads) of the best round per system and phase give the ratio
+    (``cpu_ratio``: kvstore / raw). With ``floor`` the protocol floor
+    (:class:`~kvstore.bench.floor.ProtocolFloor`) runs in the rotation too:
+    ``cpu_ratio_to_floor`` is kvstore / floor (what kvstore's code costs beyond its
+    protocol), ``floor_cpu_ratio_to_raw`` floor / raw (what the protocol itself costs).
     """
+    names = ("kvstore", "raw", "floor") if floor else ("kvstore", "raw")
     out: list[dict[str, Any]] = []
     for model in models:
         for tokens in block_tokens:
@@ -241,7 +264,8 @@ def cpu_ab(  # noqa: PLR0913 - the configurations to sweep, then the run's knobs
             direct = probe_direct_io(root, "auto").enabled
             cpu: dict[tuple[str, str], list[float]] = {}
             for r in range(rounds):
-                for name in ("raw", "kvstore") if r % 2 else ("kvstore", "raw"):
+                shift = r % len(names)
+                for name in [*names[shift:], *names[:shift]]:
                     where = root / name
                     shutil.rmtree(where, ignore_errors=True)
                     where.mkdir()
@@ -257,20 +281,39 @@ def cpu_ab(  # noqa: PLR0913 - the configurations to sweep, then the run's knobs
                     finally:
                         system.close()
             shutil.rmtree(root, ignore_errors=True)
-            ratio = {
-                phase: round(min(cpu["raw", phase]) / min(cpu["kvstore", phase]), 3)
-                for phase in ("write", "read")
+            row: dict[str, Any] = {
+                "model": model,
+                "block_tokens": tokens,
+                "cpu_ratio": _cpu_ratio(cpu, "kvstore", "raw"),
             }
-            out.append({"model": model, "block_tokens": tokens, "cpu_ratio": ratio})
+            if floor:
+                row["cpu_ratio_to_floor"] = _cpu_ratio(cpu, "kvstore", "floor")
+                row["floor_cpu_ratio_to_raw"] = _cpu_ratio(cpu, "floor", "raw")
+            out.append(row)
     return out
+
+
+def _cpu_ratio(cpu: dict[tuple[str, str], list[float]], system: str, to: str) -> dict[str, float]:
+    """``system``'s throughput over ``to``'s per phase: ``to``'s best CPU seconds over
+    ``system``'s."""
+    return {
+        phase: round(min(cpu[to, phase]) / min(cpu[system, phase]), 3)
+        for phase in ("write", "read")
+    }
 
 
 def cpu_versus_baseline(rows: Sequence[dict[str, Any]]) -> list[str]:
     """:func:`cpu_ab` next to :data:`TMPFS_BASELINE_CPU`, as a markdown table."""
+    floor = any("cpu_ratio_to_floor" in row for row in rows)
     lines = [
         f"| model | block tokens | write / raw by CPU time ({TMPFS_BASELINE_COMMIT} -> now) | "
-        "read / raw by CPU time |",
-        "|---|---|---|---|",
+        "read / raw by CPU time |"
+        + (
+            " kvstore / protocol floor: write, read | protocol floor / raw: write, read |"
+            if floor
+            else ""
+        ),
+        "|---|---|---|---|" + ("---|---|" if floor else ""),
     ]
     for row in rows:
         old = TMPFS_BASELINE_CPU.get((row["model"], row["block_tokens"]))
@@ -279,16 +322,32 @@ def cpu_versus_baseline(rows: Sequence[dict[str, Any]]) -> list[str]:
             f"{old[k]:.2f} -> **{now[phase]:.2f}**" if old else f"- -> **{now[phase]:.2f}**"
             for k, phase in enumerate(("write", "read"))
         ]
+        if floor:
+            cells += [
+                _pair(row.get("cpu_ratio_to_floor")),
+                _pair(row.get("floor_cpu_ratio_to_raw")),
+            ]
         lines.append(f"| {row['model']} | {row['block_tokens']} | " + " | ".join(cells) + " |")
     return lines
 
 
+def _pair(ratio: dict[str, float] | None, phases: Sequence[str] = ("write", "read")) -> str:
+    """``ratio``'s phases as one table cell, or a dash."""
+    return ", ".join(f"{ratio[p]:.2f}" for p in phases) if ratio else "-"
+
+
 def versus_baseline(result: dict[str, Any]) -> list[str]:
     """kvstore / raw of this run next to :data:`TMPFS_BASELINE`, as a markdown table."""
+    floor = any("floor" in cfg["ratios"].get("kvstore", {}) for cfg in result["configs"])
     lines = [
         f"| model | block tokens | block MiB | write / raw ({TMPFS_BASELINE_COMMIT} -> now) | "
-        "cold read / raw | hot read / raw |",
-        "|---|---|---|---|---|---|",
+        "cold read / raw | hot read / raw |"
+        + (
+            " kvstore / protocol floor: write, cold, hot | protocol floor / raw: write, cold, hot |"
+            if floor
+            else ""
+        ),
+        "|---|---|---|---|---|---|" + ("---|---|" if floor else ""),
     ]
     for cfg in result["configs"]:
         ratio = cfg["ratios"].get("kvstore", {}).get("raw")
@@ -299,6 +358,11 @@ def versus_baseline(result: dict[str, Any]) -> list[str]:
             f"{old[k]:.2f} -> **{ratio[phase]:.2f}**" if old else f"- -> **{ratio[phase]:.2f}**"
             for k, phase in enumerate(PHASES)
         ]
+        if floor:
+            cells += [
+                _pair(cfg["ratios"]["kvstore"].get("floor"), PHASES),
+                _pair(cfg.get("floor_ratio_to_raw"), PHASES),
+            ]
         lines.append(
             f"| {cfg['model']} | {cfg['block_tokens']} | {cfg['block_bytes'] / 2**20:.2f} | "
             + " | ".join(cells)
@@ -324,12 +388,18 @@ def table(result: dict[str, Any]) -> str:
                 f"{cfg['model']:<14} {cfg['block_tokens']:>6} {cfg['total_bytes'] / 1e9:>6.2f}  "
                 f"{name:<12} {r['write_gbs']:>7.2f} {r['cold_gbs']:>7.2f} {r['hot_gbs']:>7.2f}"
             )
-        for mine, by_other in cfg["ratios"].items():
-            for other, ratio in by_other.items():
-                lines.append(
-                    f"{'':<14} {'':>6} {'':>6}  {mine + '/' + other:<26} write "
-                    f"{ratio['write']:.2f}x, cold {ratio['cold']:.2f}x, hot {ratio['hot']:.2f}x"
-                )
+        pairs = [
+            (f"{mine}/{other}", ratio)
+            for mine, by_other in cfg["ratios"].items()
+            for other, ratio in by_other.items()
+        ]
+        if "floor_ratio_to_raw" in cfg:
+            pairs.append(("floor/raw", cfg["floor_ratio_to_raw"]))
+        for label, ratio in pairs:
+            lines.append(
+                f"{'':<14} {'':>6} {'':>6}  {label:<26} write "
+                f"{ratio['write']:.2f}x, cold {ratio['cold']:.2f}x, hot {ratio['hot']:.2f}x"
+            )
     return "\n".join(lines)
 
 

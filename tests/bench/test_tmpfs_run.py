@@ -14,7 +14,7 @@ def test_tmpfs_picks_the_fast_storage_defaults() -> None:
     assert args.suites == ["throughput", "overhead"]
     assert args.models.split(",") == model_names() and len(model_names()) >= 7
     assert args.block_tokens == "16,256"
-    assert args.systems == "kvstore,raw"
+    assert args.systems == "kvstore,raw,floor"
 
 
 def test_explicit_options_override_tmpfs_defaults(tmp_path: Path) -> None:
@@ -45,6 +45,16 @@ def test_versus_baseline_puts_old_and_new_ratios_side_by_side() -> None:
     assert lines[3].startswith("| x | 16 | 2.00 | - -> **1.00** |")  # no baseline: a dash
 
 
+def test_versus_baseline_adds_the_protocol_floor_when_measured() -> None:
+    cfg = config("llama-3.1-8b", 16, 0.6, 0.7, 0.8)
+    cfg["ratios"]["kvstore"]["floor"] = {"write": 0.81, "cold": 0.82, "hot": 0.83}  # type: ignore[index]
+    cfg["floor_ratio_to_raw"] = {"write": 0.5, "cold": 0.6, "hot": 0.7}
+    lines = throughput.versus_baseline({"configs": [cfg, config("x", 16, 1, 1, 1)]})
+    assert "kvstore / protocol floor" in lines[0] and lines[1].count("|") == 9
+    assert lines[2].endswith("| 0.81, 0.82, 0.83 | 0.50, 0.60, 0.70 |")
+    assert lines[3].endswith("| - | - |")  # a configuration without the floor: dashes
+
+
 def test_every_model_has_a_baseline_at_both_block_sizes() -> None:
     assert {(m, t) for m in model_names() for t in (16, 256)} <= set(throughput.TMPFS_BASELINE)
 
@@ -58,6 +68,13 @@ def test_overhead_versus_baseline() -> None:
     assert "write 3.0x raw (30.0 / 10.0 µs)" in text
     assert "read 2.0x raw (14.0 / 7.0 µs)" in text
     assert f"{overhead.BASELINE_COMMIT}: " in text
+    assert "protocol floor" not in text  # not measured: not printed
+    result["write_us_per_block"]["floor"] = 20.0
+    result["read_us_per_block"]["floor"] = 10.0
+    text = overhead.versus_baseline(result)
+    assert "write 3.0x raw (30.0 / 10.0 µs)" in text
+    assert "write 1.5x protocol floor (30.0 / 20.0 µs; floor / raw 2.0x)" in text
+    assert "read 1.4x protocol floor (14.0 / 10.0 µs; floor / raw 1.4x)" in text
 
 
 def test_the_fast_storage_section_survives_a_rewrite_of_the_page() -> None:
@@ -72,7 +89,8 @@ def test_the_fast_storage_section_survives_a_rewrite_of_the_page() -> None:
 def test_cpu_ab_measures_both_phases(tmp_path: Path) -> None:
     rows = throughput.cpu_ab(tmp_path, ["gemma-3-1b"], [16], threads=2, rounds=2, mib=1)
     assert [(r["model"], r["block_tokens"]) for r in rows] == [("gemma-3-1b", 16)]
-    assert all(0 < rows[0]["cpu_ratio"][phase] < 10 for phase in ("write", "read"))
+    for key in ("cpu_ratio", "cpu_ratio_to_floor", "floor_cpu_ratio_to_raw"):
+        assert all(0 < rows[0][key][phase] < 10 for phase in ("write", "read"))
     assert list(tmp_path.iterdir()) == []  # scratch removed
     lines = throughput.cpu_versus_baseline(rows)
     old = throughput.TMPFS_BASELINE_CPU[("gemma-3-1b", 16)]
