@@ -26,20 +26,30 @@ no-replace rename); this module holds the object that calls them, and the loops 
 Tests substitute a subclass that records operations (to replay a power loss) or injects errors
 (EIO, ENOSPC, short transfers) at any call. The default implementation is a thin,
 allocation-free layer over ``os``; ``pwritev``/``preadv`` release the GIL.
+
+Three compound operations do one block file's whole protocol: :meth:`FileIO.write_new`,
+:meth:`FileIO.read_regular`, :meth:`FileIO.sync_and_rename`. Their bodies here, composed of
+the primitives above, are the reference; the plain :class:`FileIO` (never a subclass, whose
+overrides must see every step) runs them as one GIL-free call of the C extension
+``kvstore._fileproto`` when it is built (:mod:`kvstore.io.fileproto`): the same system calls,
+flags and errors, a fraction of the Python cost per small block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import stat
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-from kvstore.errors import EntryKindError
-from kvstore.io.entries import describe_kind, not_regular, open_dir_nofollow
+from kvstore.errors import CorruptBlockError, EntryKindError
+from kvstore.io.entries import FileId, describe_kind, file_id, not_regular, open_dir_nofollow
+from kvstore.io.fileproto import native_fileproto
 from kvstore.io.rename import rename_noreplace, rename_noreplace_at
+from kvstore.io.types import Segment
 
 # Linux's IOV_MAX; os.sysconf may not know it everywhere.
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
@@ -76,6 +86,14 @@ def filesystem_type(path: str | os.PathLike[str]) -> str:
 class FileIO:
     """File operations on absolute paths and raw descriptors. Subclass to record or inject."""
 
+    # Whether the compound operations may run as one native call: only for FileIO itself
+    # (decided per class, once); a subclass's overrides must see every step.
+    _native_allowed: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._native_allowed = False
+
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
         """``os.open`` with ``O_NOFOLLOW`` (a symlink planted inside the store is never
         followed out of it) and ``O_NONBLOCK`` (a FIFO planted there never blocks the open;
@@ -90,17 +108,10 @@ class FileIO:
         try:
             fd = self.open(path, flags)
         except OSError as exc:
-            # ELOOP: O_NOFOLLOW met a symbolic link; ENXIO: a socket (or a device without a
-            # driver). Said in words: the lstat costs nothing on the path that succeeds.
-            if exc.errno not in (errno.ELOOP, errno.ENXIO):
+            refused = _refused_open(path, exc)
+            if refused is exc:
                 raise
-            try:
-                mode = os.lstat(path).st_mode
-            except OSError:
-                raise exc from None
-            if stat.S_ISREG(mode):
-                raise
-            raise not_regular(path, mode) from None
+            raise refused from None
         try:
             st = self.fstat(fd)
         except BaseException:
@@ -235,6 +246,115 @@ class FileIO:
                     ) from None
         return created
 
+    # -- compound operations: one block file's protocol in one call -------------------------
+
+    def write_new(  # noqa: PLR0913 - the file, its flags, its bytes and where they go
+        self,
+        path: str,
+        flags: int,
+        mode: int,
+        segments: Sequence[Segment],
+        file_nbytes: int,
+        buffered_from: int | None = None,
+    ) -> int:
+        """Create ``path`` (``flags`` must hold ``O_CREAT | O_EXCL``) and write ``segments``
+        (``(offset, bytes)`` in file order) with one vectored write per file-contiguous run
+        (:func:`write_fully`); returns the open descriptor, unsynced (the caller syncs and
+        closes it).
+
+        ``buffered_from``: with ``O_DIRECT`` in ``flags``, the segments from that index on are
+        written after O_DIRECT is cleared (one ``F_SETFL``: :meth:`clear_direct`). A file
+        whose bytes do not end at ``file_nbytes`` is cut (or extended) to it. On an error the
+        descriptor is closed before the exception propagates; the file is left for the
+        caller to remove.
+        """
+        stop = len(segments) if buffered_from is None else buffered_from
+        if self._native_allowed and (native := native_fileproto()) is not None:
+            return native.write_new(path, flags, mode, segments, stop, file_nbytes)
+        fd = self.open(path, flags, mode)
+        try:
+            end = 0
+            for offset, buffers in coalesce(segments[:stop]):
+                end = max(end, offset + write_fully(self, fd, buffers, offset))
+            if stop < len(segments):
+                if flags & O_DIRECT:
+                    self.clear_direct(fd, flags)
+                for offset, buffers in coalesce(segments[stop:]):
+                    end = max(end, offset + write_fully(self, fd, buffers, offset))
+            if end != file_nbytes:  # a new file ends where its last byte went
+                self.ftruncate(fd, file_nbytes)
+        except BaseException:
+            self.close(fd)
+            raise
+        return fd
+
+    def read_regular(  # noqa: PLR0913 - the file, its expected size, and what to fill
+        self,
+        path: str,
+        flags: int,
+        segments: Sequence[Segment],
+        file_nbytes: int,
+        allow_trailer: bool = False,
+        touch_if_older_than_ns: int = 0,
+    ) -> FileId:
+        """Fill ``segments`` (``(offset, writable memory)``) from the regular file ``path`` of
+        ``file_nbytes`` bytes (``allow_trailer``: or more); returns its identity. The file is
+        closed before this returns.
+
+        Raises what :meth:`open_regular` raises (FileNotFoundError,
+        :class:`~kvstore.errors.EntryKindError` for anything but a regular file, never
+        blocking on a FIFO), and :class:`~kvstore.errors.CorruptBlockError` carrying the
+        file's identity when its size is wrong or a read comes back short. A file whose mtime
+        is older than ``touch_if_older_than_ns`` gets now as its mtime after the read (best
+        effort: a read-only mount keeps its times).
+        """
+        if self._native_allowed and (native := native_fileproto()) is not None:
+            try:
+                mode, size, dev, ino, _mtime_ns, short = native.read_regular(
+                    path, flags, segments, file_nbytes, allow_trailer, touch_if_older_than_ns
+                )
+            except OSError as exc:
+                refused = _refused_open(path, exc)
+                if refused is exc:
+                    raise
+                raise refused from None
+            if not stat.S_ISREG(mode):
+                raise not_regular(path, mode)
+            try:
+                check_size(size, file_nbytes, allow_trailer)
+                _check_run(short)
+            except CorruptBlockError as exc:
+                exc.file_id = (dev, ino)
+                raise
+            return dev, ino
+        fd, st = self.open_regular(path, flags)
+        try:
+            check_size(st.st_size, file_nbytes, allow_trailer)
+            for offset, buffers in coalesce(segments):
+                read_run(self, fd, buffers, offset)
+            if st.st_mtime_ns < touch_if_older_than_ns:
+                # A read-only mount or foreign owner: last-use tracking is best effort.
+                with contextlib.suppress(OSError):
+                    self.touch(fd)
+        except CorruptBlockError as exc:
+            exc.file_id = file_id(st)  # the file found corrupt, whatever the name holds now
+            raise
+        finally:
+            self.close(fd)
+        return file_id(st)
+
+    def sync_and_rename(self, fd: int | None, tmp: str, final: str) -> None:
+        """Publish a written temporary file: ``fdatasync`` it on ``fd`` (None: not synced,
+        a store without durability), then :meth:`rename` it to ``final``, never replacing a
+        name (FileExistsError, ``filename2`` = ``final``). ``fd`` stays open."""
+        if self._native_allowed and (native := native_fileproto()) is not None:
+            if not native.sync_and_rename(-1 if fd is None else fd, tmp, final):
+                self.rename(tmp, final)  # no renameat2 here: rename_noreplace's fallbacks
+            return
+        if fd is not None:
+            self.fdatasync(fd)
+        self.rename(tmp, final)
+
     def drop_cache(self, fd: int) -> None:
         """Ask the kernel to drop this file's clean cached pages (benchmarks' cold reads)."""
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -265,6 +385,69 @@ def drop_tree_cache(directory: str | os.PathLike[str]) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def _refused_open(path: str, exc: OSError) -> OSError:
+    """What an open of ``path`` that failed with ``exc`` raises: ELOOP (O_NOFOLLOW met a
+    symbolic link) and ENXIO (a socket, or a device without a driver) become
+    :class:`~kvstore.errors.EntryKindError` naming what the name holds - the ``lstat`` costs
+    nothing on the path that succeeds; anything else is ``exc`` itself."""
+    if exc.errno not in (errno.ELOOP, errno.ENXIO):
+        return exc
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return exc
+    if stat.S_ISREG(mode):
+        return exc
+    return not_regular(path, mode)
+
+
+def check_size(size: int, file_nbytes: int, allow_trailer: bool) -> None:
+    """A file of ``size`` bytes where ``file_nbytes`` are expected is :class:`CorruptBlockError`
+    (``allow_trailer``: longer is fine)."""
+    if size != file_nbytes and not (allow_trailer and size > file_nbytes):
+        raise CorruptBlockError(f"file size: expected {file_nbytes} bytes, got {size}")
+
+
+def read_run(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> None:
+    """Fill ``buffers`` from ``offset`` of ``fd``; a short read is :class:`CorruptBlockError`."""
+    want = sum(map(len, buffers))
+    got = read_fully(fio, fd, buffers, offset)
+    if got != want:
+        raise CorruptBlockError(_short_read(offset, want, got))
+
+
+def _short_read(offset: int, want: int, got: int) -> str:
+    return f"short read at {offset}: expected {want}, got {got}"
+
+
+def _check_run(short: tuple[int, int, int] | None) -> None:
+    """The native read's short run ``(offset, expected, got)``, if any, as
+    :func:`read_run` raises it."""
+    if short is not None:
+        raise CorruptBlockError(_short_read(*short))
+
+
+def coalesce(segments: Sequence[Segment]) -> list[tuple[int, list[memoryview]]]:
+    """Group file-contiguous segments into (offset, buffers) runs for one vectored call each."""
+    n = len(segments)
+    if n == 1:
+        offset, data = segments[0]
+        return [(offset, [data])]
+    if n == 2:  # the common case of a small block: header, then the data right after it
+        (first, head), (second, tail) = segments
+        if second == first + len(head):
+            return [(first, [head, tail])]
+    runs: list[tuple[int, list[memoryview]]] = []
+    end = -1
+    for offset, data in segments:
+        if offset == end:
+            runs[-1][1].append(data)
+        else:
+            runs.append((offset, [data]))
+        end = offset + len(data)
+    return runs
 
 
 def write_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> int:

@@ -42,14 +42,16 @@ import numpy as np
 from kvstore.config import StoreConfig
 from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError
 from kvstore.io.align import ALIGN, align_up
-from kvstore.io.buffers import ThreadStaging, aligned_buffer, is_aligned
+from kvstore.io.buffers import ThreadStaging, address_of, aligned_buffer, is_aligned
 from kvstore.io.entries import FileId, file_id
 from kvstore.io.fileio import (
     DEFAULT_FILEIO,
     O_DIRECT,
     FileIO,
+    check_size,
+    coalesce,
     filesystem_type,
-    read_fully,
+    read_run,
     write_fully,
 )
 from kvstore.io.newfile import NewFilePlan, plan_new_file
@@ -60,6 +62,7 @@ log = logging.getLogger("kvstore.io")
 T = TypeVar("T")
 R = TypeVar("R")
 PROBE_PREFIX = ".kvstore-probe-"  # the O_DIRECT probe file in a store root (crashes leave it)
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # a whole new block file's open flags
 
 
 def probe_direct_io(directory: Path, mode: str, fio: FileIO = DEFAULT_FILEIO) -> DirectIOProbe:
@@ -165,7 +168,7 @@ class HostEngine:
             return
         fd = self.fio.open(path, os.O_WRONLY | os.O_CREAT, self.config.file_mode)
         try:
-            for offset, buffers in _coalesce(segments):
+            for offset, buffers in coalesce(segments):
                 write_fully(self.fio, fd, buffers, offset)
             # Shared (multi-writer) files are never truncated by a writer: other writers'
             # completion markers may lie past file_nbytes; the committer truncates.
@@ -181,18 +184,7 @@ class HostEngine:
         (the file is left for the caller to remove)."""
         if self.direct.enabled:
             return self._write_new_direct(path, segments, file_nbytes)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        fd = self.fio.open(path, flags, self.config.file_mode)
-        try:
-            end = 0
-            for offset, buffers in _coalesce(segments):
-                end = max(end, offset + write_fully(self.fio, fd, buffers, offset))
-            if end != file_nbytes:  # a new file ends where its last byte went
-                self.fio.ftruncate(fd, file_nbytes)
-        except BaseException:
-            self.fio.close(fd)
-            raise
-        return fd
+        return self.fio.write_new(path, _NEW_FILE, self.config.file_mode, segments, file_nbytes)
 
     def _sync_and_close(self, fd: int, sync: bool) -> None:
         """The end of a whole new file's write: synced when the store is durable and ``sync``,
@@ -208,7 +200,7 @@ class HostEngine:
         to its final size, sync it once."""
         fd = self.fio.open(path, os.O_WRONLY)
         try:
-            for offset, buffers in _coalesce(segments):
+            for offset, buffers in coalesce(segments):
                 write_fully(self.fio, fd, buffers, offset)
             self.fio.ftruncate(fd, file_nbytes)
             if self.config.durable:
@@ -217,8 +209,23 @@ class HostEngine:
             self.fio.close(fd)
 
     def _write_new_direct(self, path: str, segments: Sequence[Segment], file_nbytes: int) -> int:
-        """O_DIRECT write of a whole new file (:mod:`kvstore.io.newfile` plans it); returns
-        the open descriptor (:meth:`write_new_file`)."""
+        """O_DIRECT write of a whole new file; returns the open descriptor
+        (:meth:`write_new_file`).
+
+        The common case - every segment but the last page-aligned in address and length (a
+        dense block: the header and index in aligned buffers, the data in aligned memory) -
+        is written from where it lies: the aligned segments direct, the last one, if it is
+        not aligned, buffered after them (O_DIRECT cleared on the descriptor). Anything else
+        is planned by :mod:`kvstore.io.newfile` and partly staged. Both give the same file.
+        """
+        flags = _NEW_FILE | O_DIRECT
+        mode = self.config.file_mode
+        in_place = _in_place_writes(segments, file_nbytes)
+        if in_place is not None:
+            writes_in_place, buffered_from = in_place
+            return self.fio.write_new(
+                path, flags, mode, writes_in_place, file_nbytes, buffered_from
+            )
         plan = plan_new_file(
             [(offset, len(data), is_aligned(data)) for offset, data in segments], file_nbytes
         )
@@ -238,26 +245,20 @@ class HostEngine:
         for i in plan.staged:
             offset, data = segments[i]
             place(offset, offset + len(data))[:] = np.frombuffer(data, dtype=np.uint8)
-        iovecs = [
-            segments[i][1] if i >= 0 else place(start, end).data for i, start, end in plan.writes
-        ]
-        tail = place(*plan.tail).data if plan.tail else memoryview(b"")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT
-        fd = self.fio.open(path, flags, self.config.file_mode)
-        try:
-            write_fully(self.fio, fd, iovecs, 0)
-            if len(tail):
-                # One F_SETFL with the flags the file was opened with (no F_GETFL): clearing
-                # O_DIRECT cannot be refused. Sending the last page padded, direct, and
-                # truncating instead saves a call but costs more on ext4 (a shrinking
-                # truncate puts the inode on the journal's orphan list: +25 % per 8 KiB file
-                # unsynced on this VM's disk; docs/performance.md).
-                self.fio.clear_direct(fd, flags)
-                write_fully(self.fio, fd, [tail], file_nbytes - len(tail))
-        except BaseException:
-            self.fio.close(fd)
-            raise
-        return fd
+        writes: list[Segment] = []
+        position = 0  # the aligned writes tile the file from 0
+        for i, start, end in plan.writes:
+            data = segments[i][1] if i >= 0 else place(start, end).data
+            writes.append((position, data))
+            position += len(data)
+        if plan.tail:
+            # Buffered after the aligned part: one F_SETFL with the flags the file was opened
+            # with (no F_GETFL) cannot be refused. Sending the last page padded, direct, and
+            # truncating instead saves a call but costs more on ext4 (a shrinking truncate
+            # puts the inode on the journal's orphan list: +25 % per 8 KiB file unsynced on
+            # this VM's disk; docs/performance.md).
+            writes.append((plan.tail[0], place(*plan.tail).data))
+        return self.fio.write_new(path, flags, mode, writes, file_nbytes, len(plan.writes))
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -316,20 +317,24 @@ class HostEngine:
         direct: bool,
         after_each: Callable[[int], None] | None = None,
     ) -> FileId:
+        flags = os.O_RDONLY | (O_DIRECT if direct else 0)
+        if after_each is None:  # the whole protocol in one call (one native call: FileIO)
+            try:
+                return self.fio.read_regular(
+                    path, flags, segments, file_nbytes, allow_trailer, touch_if_older_than_ns
+                )
+            except FileNotFoundError:
+                raise BlockMissingError(path) from None
         try:
-            fd, st = self.fio.open_regular(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+            fd, st = self.fio.open_regular(path, flags)
         except FileNotFoundError:
             raise BlockMissingError(path) from None
         try:
             # try/except rather than corrupt_file_is(): no generator context per block read.
-            _check_size(st.st_size, file_nbytes, allow_trailer)
-            if after_each is None:
-                for offset, buffers in _coalesce(segments):
-                    _read_run(self.fio, fd, buffers, offset)
-            else:
-                for i, (offset, data) in enumerate(segments):
-                    _read_run(self.fio, fd, [data], offset)
-                    after_each(i)
+            check_size(st.st_size, file_nbytes, allow_trailer)
+            for i, (offset, data) in enumerate(segments):
+                read_run(self.fio, fd, [data], offset)
+                after_each(i)
             if st.st_mtime_ns < touch_if_older_than_ns:
                 # A read-only mount or foreign owner: last-use tracking is best effort.
                 with contextlib.suppress(OSError):
@@ -380,37 +385,29 @@ def _call(fn: Callable[[T], R], item: T) -> R | BaseException:
         return exc
 
 
-def _check_size(size: int, file_nbytes: int, allow_trailer: bool) -> None:
-    """A file of ``size`` bytes where ``file_nbytes`` are expected is :class:`CorruptBlockError`
-    (``allow_trailer``: longer is fine)."""
-    if size != file_nbytes and not (allow_trailer and size > file_nbytes):
-        raise CorruptBlockError(f"file size: expected {file_nbytes} bytes, got {size}")
+def _in_place_writes(
+    segments: Sequence[Segment], file_nbytes: int
+) -> tuple[Sequence[Segment], int] | None:
+    """The writes of an O_DIRECT new file when every segment can go from where it lies, and
+    the index of the first buffered one; None when some segment needs staging (then
+    :func:`~kvstore.io.newfile.plan_new_file` plans the write).
 
-
-def _read_run(fio: FileIO, fd: int, buffers: list[memoryview], offset: int) -> None:
-    """Fill ``buffers`` from ``offset`` of ``fd``; a short read is :class:`CorruptBlockError`."""
-    want = sum(map(len, buffers))
-    got = read_fully(fio, fd, buffers, offset)
-    if got != want:
-        raise CorruptBlockError(f"short read at {offset}: expected {want}, got {got}")
-
-
-def _coalesce(segments: Sequence[Segment]) -> list[tuple[int, list[memoryview]]]:
-    """Group file-contiguous segments into (offset, buffers) runs for one vectored call each."""
-    n = len(segments)
-    if n == 1:
-        offset, data = segments[0]
-        return [(offset, [data])]
-    if n == 2:  # the common case of a small block: header, then the data right after it
-        (first, head), (second, tail) = segments
-        if second == first + len(head):
-            return [(first, [head, tail])]
-    runs: list[tuple[int, list[memoryview]]] = []
-    end = -1
-    for offset, data in segments:
-        if offset == end:
-            runs[-1][1].append(data)
-        else:
-            runs.append((offset, [data]))
-        end = offset + len(data)
-    return runs
+    That is the case when the segments tile ``[0, file_nbytes)`` page-aligned in address and
+    length except for the last one's length: its whole pages go direct with the rest, its
+    unaligned last page buffered (the writes the plan gives, without the staging copy).
+    """
+    last = len(segments) - 1
+    position = 0
+    for i, (offset, data) in enumerate(segments):
+        if offset != position:
+            return None
+        position += len(data)
+        if not is_aligned(data):
+            if i != last or position != file_nbytes or address_of(data) % ALIGN:
+                return None
+            split = len(data) - len(data) % ALIGN
+            head, tail = data[:split], data[split:]
+            writes = [*segments[:last], (offset, head)] if split else list(segments[:last])
+            writes.append((offset + split, tail))
+            return writes, len(writes) - 1
+    return (segments, len(segments)) if position == file_nbytes and segments else None

@@ -1,0 +1,118 @@
+"""Binding of the native per-file protocol, the C extension ``kvstore._fileproto``.
+
+The extension does one block file's whole protocol (open, vectored writes or reads, the
+O_DIRECT switch, truncate, fstat, touch, close; fdatasync then the no-replace rename) in one
+call with the GIL released: per 4 KiB block on tmpfs, the Python sequence of the same system
+calls costs several times the calls themselves (docs/performance.md). :class:`FileIO
+<kvstore.io.fileio.FileIO>`'s compound operations (``write_new``, ``read_regular``,
+``sync_and_rename``) use it; their Python versions, composed of FileIO's own primitives, are
+the reference, the fallback when the extension is missing, and what every subclass of FileIO
+runs (tests that record calls or inject faults keep seeing every step).
+
+Bound once per process on first use, like the native xxh3 batch of :mod:`kvstore.checksum`:
+imported by name, self-tested (the flag values it was compiled with must be this Python's),
+and, when anything fails, one WARNING and the Python reference from then on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+log = logging.getLogger("kvstore.io")
+
+# read_regular's result: st_mode, st_size, st_dev, st_ino, st_mtime_ns, and None or the
+# (offset, expected, got) of a run that came back short.
+ReadOutcome = tuple[int, int, int, int, int, tuple[int, int, int] | None]
+
+
+class NativeFileProto(Protocol):
+    """The functions of ``kvstore._fileproto`` (kvstore/_fileproto.c documents each)."""
+
+    def write_new(  # noqa: PLR0913 - the C function's arguments
+        self,
+        path: str,
+        flags: int,
+        mode: int,
+        segments: Sequence[tuple[int, Any]],
+        buffered_from: int,
+        file_nbytes: int,
+        /,
+    ) -> int: ...
+
+    def read_regular(  # noqa: PLR0913 - the C function's arguments
+        self,
+        path: str,
+        flags: int,
+        segments: Sequence[tuple[int, Any]],
+        expected_size: int,
+        allow_trailer: bool,
+        touch_if_older_than_ns: int,
+        /,
+    ) -> ReadOutcome: ...
+
+    def sync_and_rename(self, fd: int, src: str, dst: str, /) -> bool: ...
+
+
+_lock = threading.Lock()
+# (the module or None, why it is not used or None); None until the first use binds.
+_state: tuple[NativeFileProto | None, str | None] | None = None
+
+
+def native_fileproto() -> NativeFileProto | None:
+    """The bound extension, or None (the Python reference is used)."""
+    state = _state
+    if state is None:
+        state = _binding()
+    return state[0]
+
+
+def native_fileproto_unavailable() -> str | None:
+    """Why the native file protocol is not used (binding it on first call), None when it is."""
+    return _binding()[1]
+
+
+def _binding() -> tuple[NativeFileProto | None, str | None]:
+    global _state  # noqa: PLW0603 - the once-per-process binding
+    with _lock:
+        if _state is None:
+            native, why = _bind()
+            if why is not None:
+                log.warning(
+                    "native file protocol unavailable: %s; using the Python file calls", why
+                )
+            _state = (native, why)
+        return _state
+
+
+def _bind() -> tuple[NativeFileProto | None, str | None]:
+    """Import the extension and check that it was built for this platform's flag values."""
+    try:
+        # By name: import-linter sees no .py file for a C module (see kvstore/checksum.py).
+        module: Any = importlib.import_module("kvstore._fileproto")
+    except ImportError as exc:
+        return None, f"extension kvstore._fileproto not built ({exc})"
+    wrong = self_test(module.constants())
+    if wrong is not None:
+        return None, f"kvstore._fileproto failed its self-test: {wrong}"
+    native: NativeFileProto = module
+    return native, None
+
+
+def self_test(constants: dict[str, int]) -> str | None:
+    """Where the extension's compiled flags differ from this Python's ``os`` (None if
+    nowhere): a module built against other headers would open files without the rules."""
+    expected = {
+        "O_DIRECT": getattr(os, "O_DIRECT", 0),
+        "O_NOFOLLOW": os.O_NOFOLLOW,
+        "O_NONBLOCK": os.O_NONBLOCK,
+        "O_CLOEXEC": os.O_CLOEXEC,
+    }
+    for name, value in expected.items():
+        if constants.get(name) != value:
+            return f"{name}: expected {value:#o}, got {constants.get(name)!r}"
+    return None
