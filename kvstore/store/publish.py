@@ -249,16 +249,15 @@ class Publisher:
 
     def _publish(self, staged: Written | BaseException | None) -> Published:
         """Second pass of :meth:`write_blocks`: sync a written temporary file on its open
-        descriptor, then give it its name (never replacing one: FileIO.rename)."""
+        descriptor, then give it its name (never replacing one): FileIO.sync_and_rename, one
+        native call for the plain FileIO."""
         if isinstance(staged, BaseException):
             raise staged  # the first pass failed: reported as this block's result
         if staged is None:
             return WriteStatus.EXISTS, None, None
         final = final_path_of(staged.tmp)
         try:
-            if staged.fd is not None:
-                self._fio.fdatasync(staged.fd)
-            self._fio.rename(staged.tmp, final)
+            self._fio.sync_and_rename(staged.fd, staged.tmp, final)
         except BaseException:
             self.array.remove_quietly(staged.tmp)
             raise
