@@ -65,7 +65,11 @@ assert ALIGN == 4096
 HEADER_FIXED_NBYTES = 176
 _FIXED = struct.Struct("<8sHHI32sIBBBB32s32sIIQQQQQ")
 _CRC = struct.Struct("<II")
+# _FIXED with the fields every raw block of an array shares as two byte strings: [0, 52)
+# (magic .. group) and [120, 160) (tokens .. file_nbytes); see FixedHeaderTemplate.
+_TEMPLATED = struct.Struct("<52sBBBB32s32s40sQ")
 assert _FIXED.size == 168
+assert _TEMPLATED.size == _FIXED.size
 assert _FIXED.size + _CRC.size == HEADER_FIXED_NBYTES
 MAX_HASH = 32
 # Offsets of fixed-header fields the hot-path check compares as bytes (see the table above).
@@ -236,6 +240,55 @@ def encode_fixed_header(  # noqa: PLR0913 - one argument per field of the fixed 
         created_ns,
     )
     return fixed + _CRC.pack(crc32c(fixed), 0)
+
+
+class FixedHeaderTemplate:
+    """:func:`encode_fixed_header` for the raw blocks of one array, whose fields other than
+    the hashes, the checksum algorithm and the creation time are the same for every block:
+    those are packed once here, so a block's fixed part is one ``pack`` and one crc32c (the
+    per-block cost of a small block's write, issue 17). The bytes are exactly
+    :func:`encode_fixed_header`'s (tests/store/test_format.py compares them)."""
+
+    __slots__ = ("_geometry", "_prefix")
+
+    def __init__(self, layout: ShardLayout, namespace_digest: bytes, group: int) -> None:
+        fixed = encode_fixed_header(layout, namespace_digest, group, b"\x01", None, 0, 0)
+        self._prefix = fixed[:HASH_LEN_OFFSET]  # magic .. group
+        self._geometry = fixed[GEOMETRY_OFFSET:CREATED_OFFSET]  # tokens .. file_nbytes
+
+    def pack_into(
+        self,
+        buffer: memoryview,
+        block_hash: bytes,
+        parent_hash: bytes | None,
+        checksum_algo: int,
+        created_ns: int,
+    ) -> None:
+        """Write the fixed part (:data:`HEADER_FIXED_NBYTES` bytes, crc included) at the start
+        of ``buffer``; the crc32c is computed over the bytes written there."""
+        parent = parent_hash or b""
+        _TEMPLATED.pack_into(
+            buffer,
+            0,
+            self._prefix,
+            len(block_hash),
+            len(parent),
+            checksum_algo,
+            0,
+            block_hash,
+            parent,
+            self._geometry,
+            created_ns,
+        )
+        _CRC.pack_into(buffer, CRC_OFFSET, crc32c(buffer[:CRC_OFFSET]), 0)
+
+    def encode(
+        self, block_hash: bytes, parent_hash: bytes | None, checksum_algo: int, created_ns: int
+    ) -> bytes:
+        """The fixed part as ``bytes`` (:meth:`pack_into` into a fresh buffer)."""
+        fixed = bytearray(HEADER_FIXED_NBYTES)
+        self.pack_into(memoryview(fixed), block_hash, parent_hash, checksum_algo, created_ns)
+        return bytes(fixed)
 
 
 def checksum_slot_offset(chunk: int) -> int:

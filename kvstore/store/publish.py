@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import resource
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -99,8 +100,11 @@ class Publisher:
         self.array = array
         self._fio = array.fio
         # Whole-block headers are built in a per-thread page-aligned buffer, so an O_DIRECT
-        # write sends them from where they are (no staging copy, no allocation per block).
-        self._header_buffers = ThreadStaging()
+        # write sends them from where they are (no staging copy, no allocation per block):
+        # attribute "page" of _pages (see _header_page).
+        self._pages = threading.local()
+        # The fixed header fields every block of the array shares, packed once.
+        self._fixed = fmt.FixedHeaderTemplate(array.layout, array.namespace_digest, array.index)
         self._padded_images = ThreadStaging()
         index = aligned_buffer(len(array.layout.index_bytes))
         index[:] = np.frombuffer(array.layout.index_bytes, dtype=np.uint8)
@@ -317,30 +321,37 @@ class Publisher:
     ) -> memoryview:
         """:meth:`header`, built in this thread's aligned header buffer (valid until the
         thread's next call): fixed part, checksum slots, zero padding."""
+        page: tuple[memoryview, np.ndarray] | None = getattr(self._pages, "page", None)
+        view, slots = self._header_page() if page is None else page
+        self._fixed.pack_into(
+            view,
+            block_hash,
+            check_hash(parent) if parent is not None else None,
+            self.array.checksum_algo,
+            created_ns,
+        )
+        slots[:] = sums  # as u64 little endian (the slots' dtype)
+        return view
+
+    def _header_page(self) -> tuple[memoryview, np.ndarray]:
+        """The calling thread's header buffer of this array (created on its first use): the
+        whole header as a memoryview, and its checksum slots as a ``<u8`` array over the same
+        memory. Only :meth:`_header_into` writes it, always the fixed part and every slot,
+        never the padding after the slots: that stays zero, as the fresh buffer was."""
         layout = self.array.layout
-        size = layout.header_nbytes
-        view = self._header_buffers.get(size).data  # memoryview stores: 3x cheaper than numpy's
-        fixed = self.fixed_header(block_hash, parent, created_ns, self.array.checksum_algo)
-        slots_end = fmt.checksum_slot_offset(layout.num_chunks)
-        view[: fmt.HEADER_FIXED_NBYTES] = fixed
-        slots = sums.astype("<u8", copy=False)
-        view[fmt.HEADER_FIXED_NBYTES : slots_end] = slots.view(np.uint8).data
-        view[slots_end:size] = _ZEROS[: size - slots_end]  # padding (< 4 KiB) must be zero
-        return view[:size]
+        buffer = aligned_buffer(layout.header_nbytes)  # zeroed
+        slots = buffer[fmt.HEADER_FIXED_NBYTES : fmt.checksum_slot_offset(layout.num_chunks)]
+        page = (buffer.data, slots.view("<u8"))
+        self._pages.page = page
+        return page
 
     def fixed_header(
         self, block_hash: bytes, parent: bytes | None, created_ns: int, algo: int
     ) -> bytes:
-        array = self.array
-        return fmt.encode_fixed_header(
-            array.layout,
-            array.namespace_digest,
-            array.index,
-            block_hash,
-            check_hash(parent) if parent is not None else None,
-            algo,
-            created_ns,
-        )
+        """The fixed part of a block's header (:func:`~kvstore.store.format.encode_fixed_header`
+        of this array)."""
+        parent_hash = check_hash(parent) if parent is not None else None
+        return self._fixed.encode(block_hash, parent_hash, algo, created_ns)
 
     def data(self, buffer: object, *, host: bool = False) -> Data:
         """A caller's bytes as this array's engine takes them (:func:`engine_data`)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.checksum import crc32c
+from kvstore.checksum import chunk_sums, crc32c
 from kvstore.errors import CorruptBlockError
 from kvstore.store import format as fmt
 from kvstore.store.format import ShardLayout
@@ -21,6 +21,7 @@ from tests.helpers import (
     make_mla_identity,
     make_odd_identity,
     make_small_identity,
+    open_group,
 )
 
 GOLDEN_HASH = bytes(range(0x10, 0x30))  # 32 bytes 10 11 .. 2f
@@ -253,3 +254,51 @@ def test_golden_layout_names_match_design(make_store: StoreFactory, root: Path) 
     rel = os.path.relpath(odd.path_of(h), root.absolute())
     assert rel == "test-odd-f16-865629521d1d/g0/c/0/0/0/0/0/255/2"
     assert odd.fanout_dir(7) == root.absolute() / "test-odd-f16-865629521d1d/g0/c/0/0/0/0/0/7"
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [ShardLayout(2, 3, 16, 128, 2), ShardLayout(1, 26, 16, 512, 2), ShardLayout(8, 80, 16, 256, 2)],
+)
+def test_fixed_header_template_is_encode_fixed_header(layout: ShardLayout) -> None:
+    """The per-array template (the write path's header) writes exactly encode_fixed_header's
+    bytes, for every hash and parent length, algorithm and time, into a buffer that held
+    other bytes before (every byte of the fixed part is written, crc over what was written)."""
+    digest = hashlib.sha256(b"ns").digest()
+    template = fmt.FixedHeaderTemplate(layout, digest, 3)
+    buffer = bytearray(b"\xee" * (fmt.HEADER_FIXED_NBYTES + 8))
+    for n in (16, 17, 31, 32):
+        for parent in (None, os.urandom(16), os.urandom(n), os.urandom(32)):
+            for algo, created in ((1, 0), (2, 1_700_000_000_123_456_789), (3, 2**64 - 1)):
+                block_hash = os.urandom(n)
+                want = fmt.encode_fixed_header(layout, digest, 3, block_hash, parent, algo, created)
+                assert template.encode(block_hash, parent, algo, created) == want
+                template.pack_into(memoryview(buffer), block_hash, parent, algo, created)
+                assert bytes(buffer[: fmt.HEADER_FIXED_NBYTES]) == want
+                assert buffer[fmt.HEADER_FIXED_NBYTES :] == b"\xee" * 8  # nothing past it
+
+
+@pytest.mark.parametrize("identity", [make_small_identity(), make_odd_identity()])
+def test_headers_of_consecutive_writes_are_whole(
+    make_store: StoreFactory, identity: object
+) -> None:
+    """One I/O thread builds every header in the same reused buffer: each block file's whole
+    header region is still exactly its own header (fixed part, slots, zero padding), with no
+    byte left from the block before (longer hashes, a parent, then none)."""
+    group = open_group(make_store, identity, io_threads=1)  # type: ignore[arg-type]
+    layout = group.layout
+    keys = [(os.urandom(n), p) for n, p in ((32, os.urandom(32)), (16, None), (24, os.urandom(16)))]
+    writes = [
+        BlockWrite(h, np.full(layout.block_nbytes, i + 1, dtype=np.uint8), p)
+        for i, (h, p) in enumerate(keys)
+    ]
+    assert [r.status for r in group.write_blocks(writes)] == [WriteStatus.WRITTEN] * 3
+    publisher = group._publisher  # the header each file must hold
+    for h, parent in keys:
+        raw = Path(group.path_of(h)).read_bytes()[: layout.header_nbytes]
+        data = np.full(layout.block_nbytes, keys.index((h, parent)) + 1, dtype=np.uint8).data
+        sums = chunk_sums(
+            publisher.array.checksum_algo, data, layout.chunk_nbytes, layout.num_chunks
+        )
+        created = fmt.decode_header(raw).created_ns
+        assert raw == bytes(publisher.header(h, parent, created, sums.tolist()))
