@@ -167,18 +167,38 @@ def tier_extra(root: Path, canonical: bool = False, **tier: Any) -> dict[str, An
     return extra
 
 
+def region_files(tag: str) -> list[Path]:
+    """The ``/dev/shm`` files of the shared region of the engine tagged ``tag`` (vLLM's
+    ``SharedOffloadRegion``: ``vllm_offload_<engine id>.mmap`` and its segment files)."""
+    return sorted(Path("/dev/shm").glob(f"vllm_offload_*-{tag}.mmap*"))
+
+
+def unlink_region(tag: str) -> None:
+    """Remove the names of the engine's shared region; the mappings stay valid."""
+    for path in region_files(tag):
+        path.unlink(missing_ok=True)
+
+
 class TierEngine(Engine):
-    """An :class:`Engine` running vLLM's CPU tier with :class:`KVStoreTier` behind it."""
+    """An :class:`Engine` running vLLM's CPU tier with :class:`KVStoreTier` behind it.
+
+    Its shared region's file is unlinked as soon as the engine is built: by then the scheduler
+    and every worker have mapped it (the workers when their connectors registered the KV
+    caches, the scheduler when it built its manager), which is what vLLM itself does after its
+    workers' barrier, so the memory goes back to the system when the process ends, however
+    it ends. Before, a test that failed (or was killed) before its ``shutdown`` left the
+    file in ``/dev/shm``: its creator unlinks it only in ``cleanup``.
+    """
 
     def __init__(self, options: EngineOptions, canonical: bool = False, **tier: Any) -> None:
         extra = {**tier_extra(options.root, canonical, **tier), **options.extra}
+        self.region_tag: str = extra[REGION_KEY]
         try:
             super().__init__(dataclasses.replace(options, extra=extra))
-        except BaseException:
-            # a refused configuration: the workers built before the scheduler keep the region
-            for leftover in Path("/dev/shm").glob(f"vllm_offload_*-{extra[REGION_KEY]}.mmap*"):
-                leftover.unlink()
-            raise
+        finally:
+            # built: every party has mapped the region; refused: the workers built before
+            # the scheduler keep it
+            unlink_region(self.region_tag)
 
     @property
     def tiering(self) -> TieringOffloadingManager:
