@@ -475,6 +475,39 @@ fileproto_sync_and_rename(PyObject *Py_UNUSED(module), PyObject *args)
 }
 
 static PyObject *
+fileproto_first_unaligned(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *segments_obj;
+    Py_ssize_t alignment;
+    if (!PyArg_ParseTuple(args, "On:first_unaligned", &segments_obj, &alignment)) {
+        return NULL;
+    }
+    if (alignment <= 0) {
+        PyErr_Format(PyExc_ValueError, "first_unaligned: expected an alignment > 0, got %zd",
+                     alignment);
+        return NULL;
+    }
+    Py_ssize_t n = 0;
+    segment *segs = acquire_segments(segments_obj, 0, &n);
+    if (segs == NULL) {
+        return NULL;
+    }
+    Py_ssize_t index = n;
+    int address_aligned = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int address_ok = (uintptr_t)segs[i].view.buf % (uintptr_t)alignment == 0;
+        /* An empty buffer's address is moot (is_aligned in kvstore/io/buffers.py). */
+        if (segs[i].view.len % alignment != 0 || (segs[i].view.len > 0 && !address_ok)) {
+            index = i;
+            address_aligned = address_ok;
+            break;
+        }
+    }
+    release_segments(segs, n);
+    return Py_BuildValue("(nO)", index, address_aligned ? Py_True : Py_False);
+}
+
+static PyObject *
 fileproto_constants(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
 {
     return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i}", "O_DIRECT", (int)O_DIRECT, "O_NOFOLLOW",
@@ -501,6 +534,10 @@ static PyMethodDef fileproto_methods[] = {
      "renameat2(src, dst, RENAME_NOREPLACE). False when the file system lacks renameat2 (the "
      "file is synced; the caller renames another way); OSError (FileExistsError when dst "
      "exists) otherwise."},
+    {"first_unaligned", fileproto_first_unaligned, METH_VARARGS,
+     "first_unaligned(segments, alignment) -> (index, address_aligned): the index of the first "
+     "(offset, buffer) segment whose memory's address or length is not a multiple of "
+     "`alignment` (len(segments) when none), and whether that one's address is."},
     {"constants", fileproto_constants, METH_NOARGS,
      "constants() -> dict: the flag values this module was compiled with (self-test)."},
     {NULL, NULL, 0, NULL},

@@ -57,6 +57,10 @@ class NativeFileProto(Protocol):
 
     def sync_and_rename(self, fd: int, src: str, dst: str, /) -> bool: ...
 
+    def first_unaligned(
+        self, segments: Sequence[tuple[int, Any]], alignment: int, /
+    ) -> tuple[int, bool]: ...
+
 
 _lock = threading.Lock()
 # (the module or None, why it is not used or None); None until the first use binds.

@@ -54,6 +54,7 @@ from kvstore.io.fileio import (
     read_run,
     write_fully,
 )
+from kvstore.io.fileproto import native_fileproto
 from kvstore.io.newfile import NewFilePlan, plan_new_file
 from kvstore.io.types import DirectIOProbe, Segment
 
@@ -396,18 +397,35 @@ def _in_place_writes(
     length except for the last one's length: its whole pages go direct with the rest, its
     unaligned last page buffered (the writes the plan gives, without the staging copy).
     """
-    last = len(segments) - 1
     position = 0
-    for i, (offset, data) in enumerate(segments):
+    for offset, data in segments:
         if offset != position:
             return None
         position += len(data)
+    if position != file_nbytes or not segments:
+        return None
+    native = native_fileproto()  # no I/O: for any FileIO
+    first, address_aligned = (
+        native.first_unaligned(segments, ALIGN) if native else _first_unaligned(segments)
+    )
+    last = len(segments) - 1
+    if first > last:
+        return segments, len(segments)
+    if first < last or not address_aligned:
+        return None
+    offset, data = segments[last]
+    split = len(data) - len(data) % ALIGN
+    writes = list(segments[:last])
+    if split:
+        writes.append((offset, data[:split]))
+    writes.append((offset + split, data[split:]))
+    return writes, len(writes) - 1
+
+
+def _first_unaligned(segments: Sequence[Segment]) -> tuple[int, bool]:
+    """The first segment not page-aligned in address or length (``len(segments)`` if none)
+    and whether its address is (the native ``first_unaligned`` in Python)."""
+    for i, (_, data) in enumerate(segments):
         if not is_aligned(data):
-            if i != last or position != file_nbytes or address_of(data) % ALIGN:
-                return None
-            split = len(data) - len(data) % ALIGN
-            head, tail = data[:split], data[split:]
-            writes = [*segments[:last], (offset, head)] if split else list(segments[:last])
-            writes.append((offset + split, tail))
-            return writes, len(writes) - 1
-    return (segments, len(segments)) if position == file_nbytes and segments else None
+            return i, not len(data) or address_of(data) % ALIGN == 0
+    return len(segments), True
