@@ -103,9 +103,12 @@ def checksum_chunks(algo_id: int, data: memoryview, chunk_nbytes: int, count: in
     return list(chunk_sums(algo_id, data, chunk_nbytes, count).tolist())
 
 
-def chunk_sums(algo_id: int, data: memoryview, chunk_nbytes: int, count: int) -> np.ndarray:
+def chunk_sums(
+    algo_id: int, data: memoryview, chunk_nbytes: int, count: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """Checksums of ``count`` consecutive ``chunk_nbytes`` slices of ``data``, as a uint64
-    array (what the header's slots hold, ready to compare or encode).
+    array (what the header's slots hold, ready to compare or encode): ``out`` (``count``
+    uint64 values, filled and returned: a header's slots, written in place) or a new one.
 
     The hot path of every block write and verified read: a llama-8B block of 16 tokens is 256
     chunks. xxh3_64 is one call of the native batch when it is active (no GIL held while it
@@ -117,20 +120,36 @@ def chunk_sums(algo_id: int, data: memoryview, chunk_nbytes: int, count: int) ->
         raise ValueError(
             f"checksum: expected at least {count * chunk_nbytes} bytes, got {len(data)}"
         )
-    if algo_id == WSUM64:
-        if not count:
-            return np.zeros(0, dtype=np.uint64)
-        rows = _host_tensor(data[: count * chunk_nbytes]).view(count, chunk_nbytes)
-        return np.asarray(wsum64_rows(rows), dtype=np.uint64)
-    if algo_id == XXH3_64:
-        native = _native_sums()
-        if native is not None:
-            sums = np.empty(count, dtype=np.uint64)
-            native(data, chunk_nbytes, count, chunk_nbytes, sums.data)
+    if out is not None and (
+        out.dtype.kind != "u" or out.dtype.itemsize != 8 or out.shape != (count,)
+    ):
+        raise ValueError(
+            f"checksum: expected out of {count} uint64 values, got {out.dtype} {out.shape}"
+        )
+    native = _native_sums() if algo_id == XXH3_64 else None
+    if native is not None:
+        if out is not None and out.dtype == np.uint64:
+            # Native byte order: the batch writes into ``out`` itself (no array, no copy).
+            native(data, chunk_nbytes, count, chunk_nbytes, out.data)
+            return out
+        sums = np.empty(count, dtype=np.uint64)
+        native(data, chunk_nbytes, count, chunk_nbytes, sums.data)
+        if out is None:
             return sums
-    fn = checksum_function(algo_id)
-    pieces = map(data.__getitem__, _chunk_slices(chunk_nbytes, count))
-    return np.fromiter(map(fn, pieces), dtype=np.uint64, count=count)
+    elif algo_id == WSUM64:
+        if not count:
+            sums = np.zeros(0, dtype=np.uint64)
+        else:
+            rows = _host_tensor(data[: count * chunk_nbytes]).view(count, chunk_nbytes)
+            sums = np.asarray(wsum64_rows(rows), dtype=np.uint64)
+    else:
+        fn = checksum_function(algo_id)
+        pieces = map(data.__getitem__, _chunk_slices(chunk_nbytes, count))
+        sums = np.fromiter(map(fn, pieces), dtype=np.uint64, count=count)
+    if out is None:
+        return sums
+    out[:] = sums
+    return out
 
 
 def strided_chunk_sums(  # noqa: PLR0913 - the native batch's geometry, one argument each

@@ -293,3 +293,28 @@ def test_binder_reports_an_unbuilt_extension(monkeypatch: pytest.MonkeyPatch) ->
     sums, why = checksum._bind_native()
     assert sums is None
     assert why == "extension kvstore._xxh3batch not built (No module named 'kvstore._xxh3batch')"
+
+
+@pytest.mark.parametrize("order", ["<u8", ">u8"])
+@pytest.mark.parametrize("algo", [checksum.XXH3_64, checksum.CRC32C, checksum.WSUM64])
+def test_chunk_sums_into_out(noise: bytes, algo: int, order: str) -> None:
+    """``out`` (a header's slots, written in place by the publisher) is filled with the same
+    values chunk_sums returns, in its own byte order, and returned; nothing past it changes."""
+    want = chunk_sums(algo, memoryview(noise), 4096, 24)
+    backing = np.full(26, 0xEE, dtype=order)
+    out = backing[1:25]
+    assert chunk_sums(algo, memoryview(noise), 4096, 24, out) is out
+    assert out.tolist() == want.tolist()
+    assert backing[0] == backing[25] == 0xEE
+
+
+def test_chunk_sums_into_out_without_the_native_batch(noise: bytes, unbound: None) -> None:
+    out = np.zeros(10, dtype=np.uint64)
+    assert chunk_sums(XXH3_64, memoryview(noise), 4096, 10, out) is out
+    assert out.tolist() == _reference(noise, 4096, 10, 4096)
+
+
+def test_chunk_sums_refuses_a_wrong_out(noise: bytes) -> None:
+    for bad in (np.zeros(9, np.uint64), np.zeros(10, np.int64), np.zeros(10, np.uint32)):
+        with pytest.raises(ValueError, match="expected out of 10 uint64 values, got"):
+            chunk_sums(XXH3_64, memoryview(noise), 4096, 10, bad)

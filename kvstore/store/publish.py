@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -38,6 +38,7 @@ from kvstore.io.buffers import ThreadStaging, aligned_buffer
 from kvstore.io.engine import AnySegment, Data
 from kvstore.io.entries import FileId, file_id, remove_if_same
 from kvstore.io.fileio import sync_parents
+from kvstore.io.types import Segment
 from kvstore.keys import check_hash
 from kvstore.store import format as fmt
 from kvstore.store.array import GroupArray, short_hash
@@ -165,7 +166,7 @@ class Publisher:
             given, pieces = np.ascontiguousarray(given), None  # joined: one copy, as before
         if pieces is not None:
             in_place = self._piece_segments(block_hash, req.parent_hash, pieces)
-            return self._write_segments(final, in_place, layout.file_nbytes)
+            return self._write_segments(final, in_place, layout.file_nbytes, host=True)
         data = self.data(given, host=compressed is not None)
         if nbytes(data) != layout.block_nbytes:
             raise KvstoreError(
@@ -181,8 +182,7 @@ class Publisher:
             )
             segments: list[AnySegment] = list(host)
         else:
-            sums = chunk_sums_of(array.checksum_algo, data, layout.chunk_nbytes, layout.num_chunks)
-            header = self._header_into(block_hash, req.parent_hash, time.time_ns(), sums)
+            header = self._header_of(block_hash, req.parent_hash, data)
             segments = [(0, header)]
             if layout.dense:
                 segments.append((layout.data_offset, data))
@@ -200,7 +200,10 @@ class Publisher:
                     segments.append((layout.chunk_offset(c) + layout.chunk_nbytes, pad))
             segments.append((layout.data_end, self._index))
         size = layout.file_nbytes if file_nbytes is None else file_nbytes
-        return self._write_segments(final, segments, size, tmp)
+        # Host memory unless the data stayed a tensor for a device engine (compressed blocks
+        # are always built in host memory).
+        on_host = compressed is not None or isinstance(data, memoryview)
+        return self._write_segments(final, segments, size, host=on_host, tmp=tmp)
 
     def _piece_segments(
         self, block_hash: bytes, parent: bytes | None, pieces: BlockPieces
@@ -231,14 +234,29 @@ class Publisher:
         return segments
 
     def _write_segments(
-        self, final: str, segments: list[AnySegment], size: int, tmp: str | None = None
+        self,
+        final: str,
+        segments: list[AnySegment],
+        size: int,
+        *,
+        host: bool,
+        tmp: str | None = None,
     ) -> Written:
         """The new temporary file of ``final`` holding ``segments``, unsynced (its descriptor
-        kept open when the store is durable); removed if the write fails."""
+        kept open when the store is durable); removed if the write fails. ``host``: the
+        caller knows that no segment is a tensor (the array's engine takes them as they are,
+        with no look at each)."""
         array = self.array
         tmp = temp_path_for(final, new_token()) if tmp is None else tmp
+        engine = array.engine
+        host_list = cast("list[Segment]", segments)
         try:
-            fd = self._recreating_fan_out(tmp, lambda: self._engine_write_new(tmp, segments, size))
+            fd = self._recreating_fan_out(
+                tmp,
+                (lambda: engine.write_new_file(tmp, host_list, size))
+                if host
+                else (lambda: self._engine_write_new(tmp, segments, size)),
+            )
         except BaseException:
             array.remove_quietly(tmp)
             raise
@@ -323,6 +341,29 @@ class Publisher:
         thread's next call): fixed part, checksum slots, zero padding."""
         page: tuple[memoryview, np.ndarray] | None = getattr(self._pages, "page", None)
         view, slots = self._header_page() if page is None else page
+        slots[:] = sums  # as u64 little endian (the slots' dtype)
+        self._pack_fixed(view, block_hash, parent, created_ns)
+        return view
+
+    def _header_of(self, block_hash: bytes, parent: bytes | None, data: Data) -> memoryview:
+        """:meth:`_header_into` of a block created now whose canonical bytes are ``data``,
+        the chunks' checksums computed straight into the header's slots (host memory) or on
+        the tensor's device."""
+        page: tuple[memoryview, np.ndarray] | None = getattr(self._pages, "page", None)
+        view, slots = self._header_page() if page is None else page
+        layout = self.array.layout
+        algo = self.array.checksum_algo
+        if isinstance(data, memoryview):
+            chunk_sums(algo, data, layout.chunk_nbytes, layout.num_chunks, slots)
+        else:
+            slots[:] = chunk_checksums(algo, data, layout.chunk_nbytes, layout.num_chunks)
+        self._pack_fixed(view, block_hash, parent, time.time_ns())
+        return view
+
+    def _pack_fixed(
+        self, view: memoryview, block_hash: bytes, parent: bytes | None, created_ns: int
+    ) -> None:
+        """The fixed part of a header into ``view`` (``parent`` checked here)."""
         self._fixed.pack_into(
             view,
             block_hash,
@@ -330,8 +371,6 @@ class Publisher:
             self.array.checksum_algo,
             created_ns,
         )
-        slots[:] = sums  # as u64 little endian (the slots' dtype)
-        return view
 
     def _header_page(self) -> tuple[memoryview, np.ndarray]:
         """The calling thread's header buffer of this array (created on its first use): the
@@ -581,13 +620,6 @@ def block_pieces(data: object, block_nbytes: int, chunk_nbytes: int) -> BlockPie
         run=shape[-1] if shape else 1,
         run_stride=strides[-1] if shape else 0,
     )
-
-
-def chunk_sums_of(algo: int, data: Data, chunk_nbytes: int, count: int) -> np.ndarray:
-    """:func:`chunk_checksums` as a uint64 array (no Python int per chunk for host memory)."""
-    if isinstance(data, memoryview):
-        return chunk_sums(algo, data, chunk_nbytes, count)
-    return np.asarray(chunk_checksums(algo, data, chunk_nbytes, count), dtype=np.uint64)
 
 
 def chunk_checksums(algo: int, data: Data, chunk_nbytes: int, count: int) -> list[int]:
