@@ -69,7 +69,6 @@ _ZEROS = memoryview(bytes(fmt.ALIGN))
 # Results without an error message are immutable: one object each for every block.
 _WRITTEN = WriteResult(WriteStatus.WRITTEN)
 _EXISTS = WriteResult(WriteStatus.EXISTS)
-_RESULT_OF = {WriteStatus.WRITTEN: _WRITTEN, WriteStatus.EXISTS: _EXISTS}
 
 
 def max_held_files() -> int:
@@ -493,7 +492,7 @@ class Publisher:
         for i, (result, block_hash) in enumerate(zip(results, hashes, strict=True)):
             if type(result) is tuple:  # published, or present already (the common cases)
                 status, directory, identity = result
-                out.append(_RESULT_OF[status])
+                out.append(_WRITTEN if status is WriteStatus.WRITTEN else _EXISTS)
                 if durable:
                     if status is WriteStatus.WRITTEN and directory is not None:
                         dirs.add(directory)
@@ -512,16 +511,18 @@ class Publisher:
             out.append(WriteResult(WriteStatus.FAILED, message))
         if dirs:
             failures += self._sync_dirs(sorted(dirs), hashes, out, published)
-        # Counted once the directory syncs have withdrawn what they must (one pass, no
-        # generator per status).
-        counts = dict.fromkeys(WriteStatus, 0)
+        # Counted once the directory syncs have withdrawn what they must (one pass, statuses
+        # compared by identity: an Enum's hash is a Python-level call).
+        written = existing = 0
         for outcome in out:
-            counts[outcome.status] += 1
-        written = counts[WriteStatus.WRITTEN]
+            if outcome.status is WriteStatus.WRITTEN:
+                written += 1
+            elif outcome.status is WriteStatus.EXISTS:
+                existing += 1
         array.stats.add(
             blocks_written=written,
-            blocks_existing=counts[WriteStatus.EXISTS],
-            write_failures=counts[WriteStatus.FAILED],
+            blocks_existing=existing,
+            write_failures=len(out) - written - existing,
             bytes_written=written * array.layout.block_nbytes,
         )
         if failures:
