@@ -30,6 +30,7 @@ import-linter exception in pyproject.toml).
 from __future__ import annotations
 
 import hashlib
+import os
 import resource
 import shutil
 import time
@@ -43,6 +44,7 @@ import numpy as np
 from kvstore.bench.common import drop_cache, gbs, kv_like_block
 from kvstore.models import layer_name, load_model
 
+SHM = Path("/dev/shm")  # noqa: S108 - where vLLM puts its shared CPU-tier region
 STEP_S = 0.001  # simulated scheduler step: the pause between two rounds of lookups
 BATCH = 32  # keys per prepare_store / complete_store (one step's stores)
 LOOKUP_KEYS = 256
@@ -69,6 +71,7 @@ def _tiering(  # noqa: PLR0913 - geometry, where, which tier and how big the CPU
     from connector.tier import tier_entry  # noqa: PLC0415
 
     tokens = 16
+    engine_id = f"kvstore-bench-{os.getpid()}-{time.monotonic_ns()}"
     names = tuple(layer_name(i) for i in range(layers))
     page = heads * tokens * 2 * head_dim * 2
     row = -(-layers * page // 4096) * 4096
@@ -82,7 +85,7 @@ def _tiering(  # noqa: PLR0913 - geometry, where, which tier and how big the CPU
         worker_kv_bytes_per_block=layers * page,
         enable_kv_cache_events=False,
         extra_config={"cpu_bytes_to_use": (chunks + 8) * row, "secondary_tiers": [tier]},
-        engine_id=f"kvstore-bench-{time.monotonic_ns()}",
+        engine_id=engine_id,
         model=OffloadingModelConfig(name, "bfloat16", 0),
         cache=OffloadingCacheConfig(tokens, 1),
         parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
@@ -95,12 +98,30 @@ def _tiering(  # noqa: PLR0913 - geometry, where, which tier and how big the CPU
     facts = EngineFacts(
         "sha256", "", "bfloat16", "", "recompute", "LBHNC", heads, 1, 1, 1, 1, 1, (group,)
     )
-    with provide(facts):
-        manager = TieringOffloadingSpec(config).get_manager()
+    try:
+        with provide(facts):
+            manager = TieringOffloadingSpec(config).get_manager()
+    finally:
+        # The manager has mapped its shared region (there are no workers to join it): its
+        # name goes now, as vLLM's own barrier does, so the memory returns when the process
+        # ends however it ends (a bench killed by a timeout left its file in /dev/shm).
+        unlink_region(engine_id)
     try:
         yield manager
     finally:
         manager.shutdown()
+
+
+def region_files(engine_id: str) -> list[Path]:
+    """The ``/dev/shm`` files of vLLM's shared CPU-tier region of ``engine_id``
+    (``SharedOffloadRegion``: ``vllm_offload_<engine id>.mmap`` and its segment files)."""
+    return sorted(SHM.glob(f"vllm_offload_{engine_id}.mmap*"))
+
+
+def unlink_region(engine_id: str) -> None:
+    """Remove the names of ``engine_id``'s region (its mappings stay valid)."""
+    for path in region_files(engine_id):
+        path.unlink(missing_ok=True)
 
 
 def _keys(n: int, tag: int) -> list[bytes]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvstore.bench import tier  # imports vLLM only when run
@@ -52,3 +53,16 @@ def test_tier_suite_measures_every_system_against_the_fs_tier_of_the_same_run(
     for (system, _), r in lookups.items():
         (line,) = [t for t in text if t.startswith(system) and f"{r['hit_ms']:.1f}" in t]
         assert f"{r['hit_x']:.2f}" in line and f"{r['miss_x']:.2f}" in line
+
+
+def test_the_suite_leaves_no_region_file_in_dev_shm(tmp_path: Path) -> None:
+    """vLLM's shared CPU-tier region loses its name once the manager has mapped it, so a
+    bench killed mid-run (a timeout) leaves nothing in /dev/shm; the tier still works."""
+    before = set(tier.SHM.glob("vllm_offload_kvstore-bench-*"))
+    with tier._tiering("gemma-3-1b", 1, 2, 64, tmp_path, "kvstore none", 16) as manager:
+        assert set(tier.SHM.glob("vllm_offload_kvstore-bench-*")) - before == set()
+        rows = np.asarray(manager.primary_tier.get_kv_memoryview()).view(np.uint8)
+        rows[3, :8] = 7  # the mapping outlives the name
+        assert rows[3, :8].tolist() == [7] * 8
+        del rows
+    assert set(tier.SHM.glob("vllm_offload_kvstore-bench-*")) - before == set()
