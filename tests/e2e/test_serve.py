@@ -111,13 +111,37 @@ def serve_command(python: str, model: Path, root: Path, port: int) -> list[str]:
     ]
 
 
+def group_running(pgid: int) -> bool:
+    """Does process group ``pgid`` still have a live (not zombie) process? (/proc: a
+    zombie whose parent is gone may never be reaped here, and signals do not tell.)"""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGINT to the server's process group (as Ctrl-C), then SIGKILL to whatever of the group
-    is left (the engine core is a child process: none may outlive the test)."""
+    """SIGINT to the server's process group (as Ctrl-C); once the server has exited, wait for
+    the rest of its group to exit on its own, then SIGKILL to whatever of it is left (the
+    engine core is a child process: none may outlive the test).
+
+    The wait is for Python's resource tracker, a member of the group: it ignores SIGINT and,
+    once the engine core and its worker have exited, unlinks the shared memory
+    (``/dev/shm/psm_*``: vLLM's message-queue rings) and semaphores (``/dev/shm/sem.mp-*``)
+    they left registered with it. A SIGKILL to the group right after the server's exit
+    killed it first, and every server test left ~400 MiB of ``psm_*`` files behind.
+    """
     try:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
             proc.wait(timeout=STOP_TIMEOUT_S)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while group_running(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
     except (subprocess.TimeoutExpired, ProcessLookupError):
         pass
     finally:
