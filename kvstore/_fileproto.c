@@ -102,9 +102,10 @@ acquire_segments(PyObject *obj, int writable, Py_ssize_t *count)
             PyObject *type, *value, *traceback;
             PyErr_Fetch(&type, &value, &traceback);
             PyErr_Format(PyExc_TypeError,
-                         "file protocol: expected segment %zd's memory as a %s contiguous "
-                         "buffer, got %.200s (%S)",
-                         got, writable ? "writable" : "", Py_TYPE(PyTuple_GET_ITEM(item, 1))->tp_name,
+                         "file protocol: expected segment %zd's memory as a %s buffer, "
+                         "got %.200s (%S)",
+                         got, writable ? "writable contiguous" : "contiguous",
+                         Py_TYPE(PyTuple_GET_ITEM(item, 1))->tp_name,
                          value != NULL ? value : Py_None);
             Py_XDECREF(type);
             Py_XDECREF(value);

@@ -549,3 +549,21 @@ def test_first_unaligned_matches_python(
     module = fileproto.native_fileproto()
     assert module is not None
     assert module.first_unaligned(segments, 4096) == host._first_unaligned(segments)
+
+
+@pytest.mark.parametrize(
+    ("segments", "error", "words"),
+    [
+        ([5], TypeError, "expected segment 0 as an \\(offset, buffer\\) pair, got int"),
+        ([(0, 5)], TypeError, "expected segment 0's memory as a contiguous buffer, got int"),
+        ([(-1, b"x")], ValueError, "expected segment 0 at an offset >= 0, got -1"),
+    ],
+)
+def test_bad_segments_are_named(
+    native: FileIO, tmp_path: Path, segments: list[Any], error: type[Exception], words: str
+) -> None:
+    """Refused before anything is opened: no file is created."""
+    path = tmp_path / "f"
+    with pytest.raises(error, match=words):
+        native.write_new(str(path), NEW, 0o600, segments, 1)
+    assert not path.exists()
