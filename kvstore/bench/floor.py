@@ -99,6 +99,18 @@ def publish_noreplace(tmp: str, final: str) -> None:
     raise OSError(err, os.strerror(err), tmp, None, final)
 
 
+def _pwritev(fd: int, buffers: list[memoryview], offset: int, want: int) -> None:
+    """``buffers`` at ``offset``, ``want`` bytes in all (one call up to IOV_MAX buffers)."""
+    if len(buffers) <= _IOV_MAX:
+        done = os.pwritev(fd, buffers, offset)
+    else:
+        done = 0
+        for start in range(0, len(buffers), _IOV_MAX):
+            done += os.pwritev(fd, buffers[start : start + _IOV_MAX], offset + done)
+    if done != want:
+        raise OSError(f"protocol floor: short write, {done} of {want} bytes")
+
+
 def stored(path: str) -> bool:
     """Is a block already published at ``path`` (one ``lstat``; links not followed)?"""
     try:
@@ -133,6 +145,7 @@ class ProtocolFloor:
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
         self.written = 0  # blocks published by this floor (not skipped, not refused)
+        self._file_nbytes = layout.file_nbytes
         for hi in range(HASH_HI_FANOUT):
             (root / str(hi)).mkdir(parents=True, exist_ok=True)
         template = fmt.encode_fixed_header(layout, namespace_digest, 0, b"\x01", None, 0, 0)
@@ -240,13 +253,14 @@ class ProtocolFloor:
         fd = os.open(tmp, flags, 0o600)
         try:
             if self.direct:
-                self._pwritev(fd, [header, *self._data_iovecs(data), self._index_head], 0)
                 tail = self._index_tail
+                head = self._file_nbytes - len(tail)
+                _pwritev(fd, [header, *self._data_iovecs(data), self._index_head], 0, head)
                 if len(tail):  # the index's last page is partial: written buffered
                     fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
-                    self._pwritev(fd, [tail], self.layout.file_nbytes - len(tail))
+                    _pwritev(fd, [tail], head, len(tail))
             else:
-                self._pwritev(fd, [header, *self._data_iovecs(data), self._index], 0)
+                _pwritev(fd, [header, *self._data_iovecs(data), self._index], 0, self._file_nbytes)
             if self.durable:
                 os.fdatasync(fd)
         except BaseException:
@@ -260,14 +274,6 @@ class ProtocolFloor:
             Path(tmp).unlink()  # another writer published the block meanwhile: theirs stays
             return None
         return block_hash[0]
-
-    def _pwritev(self, fd: int, buffers: list[memoryview], offset: int) -> None:
-        want = sum(map(len, buffers))
-        done = 0
-        for start in range(0, len(buffers), _IOV_MAX):
-            done += os.pwritev(fd, buffers[start : start + _IOV_MAX], offset + done)
-        if done != want:
-            raise OSError(f"protocol floor: short write, {done} of {want} bytes")
 
     def _sync_dir(self, hi: int) -> None:
         fd = os.open(f"{self.root}/{hi}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
