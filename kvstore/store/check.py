@@ -101,6 +101,14 @@ class ShardSpec:
             fixed[fmt.GEOMETRY_OFFSET : fmt.CREATED_OFFSET],
         )
 
+    @cached_property
+    def whole_block(self) -> tuple[int, int, int, int]:
+        """(header bytes, end of the checksum slots, chunk bytes, chunks) of a raw block: what
+        :func:`check_whole_block` needs per block, looked up once."""
+        layout = self.layout
+        slots_end = fmt.checksum_slot_offset(layout.num_chunks)
+        return layout.header_nbytes, slots_end, layout.chunk_nbytes, layout.num_chunks
+
     @property
     def size_bounds(self) -> tuple[int, int]:
         """(smallest, largest) size of a valid file."""
@@ -190,22 +198,22 @@ def check_whole_block(
     same order of failure (the header first), same :class:`CorruptBlockError` words as the two
     calls: anything that does not match goes through them.
     """
-    layout = spec.layout
-    count = layout.num_chunks
-    if spec.codec is not None or len(header) < layout.header_nbytes:
+    header_nbytes, slots_end, chunk_nbytes, count = spec.whole_block
+    if spec.codec is not None or len(header) < header_nbytes:
         got = "a compressed array" if spec.codec is not None else f"{len(header)} header bytes"
         raise ValueError(
             f"check_whole_block: expected a raw array's whole header "
-            f"({layout.header_nbytes} bytes), got {got}"
+            f"({header_nbytes} bytes), got {got}"
         )
-    fixed = bytes(header[: fmt.checksum_slot_offset(count)])
+    fixed = bytes(header[:slots_end])
     algo = _template_algo(fixed, spec, block_hash)
     if algo is None:
         algo = check_header(header, spec, block_hash).checksum_algo
     if not verify:
         return
-    check_algo(algo)  # an unknown algorithm id is a corrupt block
-    sums = chunk_sums(algo, data, layout.chunk_nbytes, count)
+    if algo not in _KNOWN_ALGOS:
+        check_algo(algo)  # an unknown algorithm id is a corrupt block
+    sums = chunk_sums(algo, data, chunk_nbytes, count)
     if _LITTLE_ENDIAN and fixed.startswith(sums.tobytes(), fmt.HEADER_FIXED_NBYTES):
         return
     _compare(sums, fmt.decode_checksums(header, count), range(count))
