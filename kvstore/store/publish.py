@@ -247,15 +247,12 @@ class Publisher:
         with no look at each)."""
         array = self.array
         tmp = temp_path_for(final, new_token()) if tmp is None else tmp
-        engine = array.engine
-        host_list = cast("list[Segment]", segments)
         try:
-            fd = self._recreating_fan_out(
-                tmp,
-                (lambda: engine.write_new_file(tmp, host_list, size))
-                if host
-                else (lambda: self._engine_write_new(tmp, segments, size)),
-            )
+            try:
+                fd = self._write_new(tmp, segments, size, host)
+            except FileNotFoundError:
+                self._recreate_fan_out(tmp)  # (as _recreating_fan_out, without a closure)
+                fd = self._write_new(tmp, segments, size, host)
         except BaseException:
             array.remove_quietly(tmp)
             raise
@@ -418,22 +415,27 @@ class Publisher:
     def _recreating_fan_out(self, path: str, write: Callable[[], T]) -> T:
         """``write()`` into ``path``; if its fan-out directory is gone, recreated and again
         (see :meth:`write_file`)."""
-        array = self.array
         try:
             return write()
         except FileNotFoundError:
-            if not self._fio.exists(f"{array.array_path}{os.sep}{ZARR_JSON}"):
-                raise KvstoreError(
-                    f"namespace {array.namespace} was removed from the store (no "
-                    f"{array.array_path}/{ZARR_JSON}); reopen the store to recreate it"
-                ) from None
-            # Recreated from the root without following a link: one planted where a fan-out
-            # directory was must not receive block files (with their prompts) elsewhere.
-            created: list[str] = []
-            self._fio.close(array.open_dir(os.path.dirname(path), created))
-            if array.engine.config.durable:
-                sync_parents(self._fio, created)
+            self._recreate_fan_out(path)
             return write()
+
+    def _recreate_fan_out(self, path: str) -> None:
+        """After a write into ``path`` found no directory: its fan-out directory recreated,
+        or :class:`KvstoreError` when the array itself is gone (see :meth:`write_file`)."""
+        array = self.array
+        if not self._fio.exists(f"{array.array_path}{os.sep}{ZARR_JSON}"):
+            raise KvstoreError(
+                f"namespace {array.namespace} was removed from the store (no "
+                f"{array.array_path}/{ZARR_JSON}); reopen the store to recreate it"
+            ) from None
+        # Recreated from the root without following a link: one planted where a fan-out
+        # directory was must not receive block files (with their prompts) elsewhere.
+        created: list[str] = []
+        self._fio.close(array.open_dir(os.path.dirname(path), created))
+        if array.engine.config.durable:
+            sync_parents(self._fio, created)
 
     def _engine_write(
         self, path: str, segments: Sequence[AnySegment], size: int, exclusive: bool, sync: bool
@@ -446,6 +448,13 @@ class Publisher:
         device = self.array.device_engine
         assert device is not None  # data() keeps tensors only for such engines
         device.write_file(path, segments, size, exclusive=exclusive, sync=sync)
+
+    def _write_new(self, path: str, segments: list[AnySegment], size: int, host: bool) -> int:
+        """A new file's write, returning its open descriptor unsynced: ``host`` segments go
+        to the array's engine as they are; otherwise :meth:`_engine_write_new` sorts them."""
+        if host:
+            return self.array.engine.write_new_file(path, cast("list[Segment]", segments), size)
+        return self._engine_write_new(path, segments, size)
 
     def _engine_write_new(self, path: str, segments: Sequence[AnySegment], size: int) -> int:
         """:meth:`_engine_write` of a new file, returning its open descriptor unsynced."""
