@@ -122,7 +122,9 @@ class GroupArray:
         return [-math.inf] * HASH_HI_FANOUT
 
     def _check_fanout(self, hash_hi: int, now: float) -> None:
-        path = os.fspath(self.paths.fanout_dir(hash_hi))
+        # The string block_path builds on (paths.fanout_dir's, without a Path per check: a
+        # fresh store checks up to 256 of them in its first seconds).
+        path = f"{self.paths.prefix}{hash_hi}"
         try:
             mode = self.fio.lstat_at(None, path).st_mode
         except FileNotFoundError:

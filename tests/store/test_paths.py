@@ -88,3 +88,12 @@ def test_listing_reports_what_it_cannot_use(tmp_path: Path) -> None:
     (why,) = problems.values()  # the link below the root is named, never followed
     assert "expected a directory, got a symbolic link" in why
     assert [f.hash_lo for f in linked.list_blocks([2])] == [9]  # without a root: only the last
+
+
+def test_prefix_names_the_fanout_directories(tmp_path: Path) -> None:
+    """GroupArray checks a fan-out directory by ``prefix + hash_hi`` (no Path per check): the
+    same string as fanout_dir, for every fan-out directory."""
+    paths = ArrayPaths(tmp_path / "ns-0123456789ab" / "g1", 5)
+    assert [f"{paths.prefix}{hi}" for hi in range(256)] == [
+        os.fspath(paths.fanout_dir(hi)) for hi in range(256)
+    ]
