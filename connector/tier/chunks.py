@@ -46,7 +46,7 @@ from kvstore import ConfigError, Identity, KvstoreError, LayoutError
 from kvstore.layout import LocalForm, ParallelLayout, RankMapping, verify_tiling
 from kvstore.layout.parallel import Family
 from kvstore.rank_io import group_geometry
-from kvstore.store.publish import block_pieces
+from kvstore.store.pieces import block_pieces
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from kvstore.checksum import (
     checksum_chunks,
@@ -43,6 +42,7 @@ from kvstore.keys import check_hash
 from kvstore.store import format as fmt
 from kvstore.store.array import GroupArray, short_hash
 from kvstore.store.paths import ZARR_JSON, final_path_of, temp_path_for
+from kvstore.store.pieces import BlockPieces, block_pieces
 from kvstore.store.segments import engine_data, host_segments, nbytes
 from kvstore.store.types import BlockWrite, WriteResult, WriteStatus
 
@@ -211,24 +211,24 @@ class Publisher:
         the pieces where they lie), one segment per piece at its canonical offset, index."""
         array = self.array
         layout = array.layout
-        size, chunk = pieces.piece_nbytes, layout.chunk_nbytes
-        if size == chunk and pieces.run > 1:  # chunks of a run at a constant stride: one call
+        geometry = pieces.geometry
+        size, chunk = geometry.piece_nbytes, layout.chunk_nbytes
+        if size == chunk and geometry.run > 1:  # chunks of a run at a constant stride
             sums = strided_chunk_sums(
                 array.checksum_algo,
                 pieces.span,
-                pieces.starts[:: pieces.run],
-                pieces.run_stride,
-                pieces.run,
+                geometry.run_starts,
+                geometry.run_stride,
+                geometry.run,
                 chunk,
             )
         else:
             sums = strided_chunk_sums(
-                array.checksum_algo, pieces.span, pieces.starts, chunk, size // chunk, chunk
+                array.checksum_algo, pieces.span, geometry.starts, chunk, size // chunk, chunk
             )
         header = self._header_into(block_hash, parent, time.time_ns(), sums)
-        span, base = pieces.span, layout.data_offset
         segments: list[AnySegment] = [(0, header)]
-        segments += [(base + i * size, span[s : s + size]) for i, s in enumerate(pieces.starts)]
+        segments += pieces.segments(layout.data_offset)  # no slice built in Python per piece
         segments.append((layout.data_end, self._index))
         return segments
 
@@ -578,58 +578,6 @@ class Publisher:
                 assert published.fd is not None  # held until the batch's directory syncs end
                 published = file_id(self._fio.fstat(published.fd))
             remove_if_same(self._fio, None, path, published)
-
-
-@dataclass(frozen=True)
-class BlockPieces:
-    """A block given as strided pieces (see :class:`~kvstore.store.types.BlockWrite`): piece
-    ``k`` is ``span[starts[k] :][:piece_nbytes]``; the pieces come in ``run``s whose starts
-    advance by ``run_stride`` (the innermost strided axis)."""
-
-    span: memoryview  # flat bytes from the first piece's first byte to the last piece's end
-    starts: list[int]
-    piece_nbytes: int
-    run: int
-    run_stride: int
-
-
-def block_pieces(data: object, block_nbytes: int, chunk_nbytes: int) -> BlockPieces | None:
-    """The pieces of a non-contiguous ``numpy.ndarray`` block; None for anything else (one
-    buffer: the caller's usual path). :class:`KvstoreError` when they cannot make a block of
-    ``block_nbytes`` bytes of whole ``chunk_nbytes`` chunks (never a wrong block)."""
-    if not isinstance(data, np.ndarray) or data.flags.c_contiguous:
-        return None
-    what = f"block data as strided pieces ({data.dtype} {data.shape}, strides {data.strides})"
-    if data.ndim == 0 or data.strides[-1] != data.itemsize or min(data.strides) < 0:
-        raise KvstoreError(f"{what}: expected a contiguous last axis and non-negative strides")
-    if data.nbytes != block_nbytes:
-        raise KvstoreError(f"{what}: expected {block_nbytes} bytes, got {data.nbytes}")
-    try:
-        flat = data.view(np.uint8)  # the last axis is contiguous, so bytes are a view
-    except (TypeError, ValueError) as exc:
-        raise KvstoreError(f"{what}: expected plain bytes ({exc})") from None
-    shape, strides = list(flat.shape), list(flat.strides)
-    piece = shape.pop()
-    strides.pop()
-    while shape and (shape[-1] == 1 or strides[-1] == piece):  # merge contiguous axes
-        piece *= shape.pop()
-        strides.pop()
-    if piece % chunk_nbytes:
-        raise KvstoreError(
-            f"{what}: expected pieces of whole {chunk_nbytes}-byte chunks, got {piece}-byte pieces"
-        )
-    starts = np.zeros(1, dtype=np.int64)
-    for n, stride in zip(shape, strides, strict=True):
-        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
-    extent = int(starts.max()) + piece
-    span = as_strided(flat, shape=(extent,), strides=(1,), writeable=flat.flags.writeable)
-    return BlockPieces(
-        span=span.data,
-        starts=starts.tolist(),
-        piece_nbytes=piece,
-        run=shape[-1] if shape else 1,
-        run_stride=strides[-1] if shape else 0,
-    )
 
 
 def chunk_checksums(algo: int, data: Data, chunk_nbytes: int, count: int) -> list[int]:

@@ -12,6 +12,7 @@ import pytest
 from kvstore import Identity
 from kvstore.checksum import CRC32C, WSUM64, XXH3_64, chunk_sums, strided_chunk_sums
 from kvstore.store.format import ShardLayout
+from kvstore.store.pieces import block_pieces
 from kvstore.store.publish import Publisher
 from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus
 from tests.helpers import StoreFactory, block_bytes, block_hash, shard_files
@@ -138,3 +139,25 @@ def test_dense_arrays_write_pieces_in_place_others_join(
     (result,) = group.write_blocks([BlockWrite(block_hash(1, "spy"), view)])
     assert result.status is WriteStatus.WRITTEN
     assert bool(calls) == group.layout.dense
+
+
+def test_piece_geometry_is_shared_per_shape_and_each_block_reads_its_own_memory() -> None:
+    """The pieces' geometry is computed once per (shape, strides, dtype) and shared; the span
+    and the segments of each block are that block's memory, and a view of another stride
+    order gets its own geometry (a cache keyed on too little would serve wrong bytes)."""
+    rows = np.random.default_rng(4).integers(0, 256, (3, 4 * 3 * 64), dtype=np.uint8)
+    views = [row.reshape(4, 3, 64).transpose(1, 0, 2) for row in rows]  # [3][4] of [4][3]
+    pieces = [block_pieces(v, v.nbytes, 64) for v in views]
+    assert all(p is not None for p in pieces)
+    assert pieces[0].geometry is pieces[1].geometry is pieces[2].geometry  # type: ignore[union-attr]
+    for view, got in zip(views, pieces, strict=True):
+        assert got is not None
+        segments = got.segments(4096)
+        assert [offset for offset, _ in segments] == [4096 + 64 * k for k in range(12)]
+        joined = b"".join(bytes(piece) for _, piece in segments)
+        assert joined == np.ascontiguousarray(view).tobytes()
+    other = rows[0].reshape(3, 4, 64).transpose(1, 0, 2)  # same shape class, other strides
+    other_pieces = block_pieces(other, other.nbytes, 64)
+    assert other_pieces is not None and other_pieces.geometry is not pieces[0].geometry  # type: ignore[union-attr]
+    joined = b"".join(bytes(piece) for _, piece in other_pieces.segments(0))
+    assert joined == np.ascontiguousarray(other).tobytes()

@@ -1,0 +1,149 @@
+"""A block given as strided pieces of host memory: where each piece lies, computed once per shape.
+
+A caller may hand a whole block as a non-contiguous ``numpy.ndarray`` whose C-order bytes are
+the canonical block (:class:`~kvstore.store.types.BlockWrite` and
+:class:`~kvstore.store.types.BlockRead`): the vLLM tier's view of a CPU-tier row, for one. Its
+maximal contiguous innermost runs ("pieces") then go to the file as one segment each, written
+from (or read into) where they lie, their chunks checksummed in place.
+
+Where the pieces lie relative to the view's first byte depends only on the view's shape,
+strides and item size, which repeat for every block of an array: :func:`piece_geometry`
+computes them once per geometry (cached), so a block costs a cache lookup, one span over its
+memory and its segment list (:meth:`BlockPieces.segments`), not a numpy computation.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from kvstore.errors import KvstoreError
+from kvstore.io.types import Segment
+
+
+@dataclass(frozen=True, eq=False)
+class PieceGeometry:
+    """Where the pieces of one view geometry lie: piece ``k`` is bytes
+    ``[starts[k], starts[k] + piece_nbytes)`` from the view's first byte (``slices[k]``); the
+    pieces come in ``run``s whose starts advance by ``run_stride`` (the innermost strided
+    axis); ``extent`` bytes span them all."""
+
+    piece_nbytes: int
+    starts: tuple[int, ...]
+    run: int
+    run_stride: int
+    extent: int
+    slices: tuple[slice, ...]
+    run_starts: tuple[int, ...]  # starts[::run]: the first piece of each run
+    # File offsets of the pieces per data offset (one array's blocks share one): computed once.
+    _offsets: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def file_offsets(self, data_offset: int) -> tuple[int, ...]:
+        """Where each piece goes in a file whose canonical block starts at ``data_offset``
+        (pieces back to back, in order)."""
+        offsets = self._offsets.get(data_offset)
+        if offsets is None:
+            size = self.piece_nbytes
+            offsets = tuple(data_offset + k * size for k in range(len(self.starts)))
+            with self._lock:
+                self._offsets[data_offset] = offsets
+        return offsets
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPieces:
+    """One block's pieces: its :class:`PieceGeometry` and the bytes from its first piece's
+    first byte to its last piece's end (``span``, memory of the caller's view)."""
+
+    geometry: PieceGeometry
+    span: memoryview
+
+    @property
+    def piece_nbytes(self) -> int:
+        return self.geometry.piece_nbytes
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        return self.geometry.starts
+
+    @property
+    def run(self) -> int:
+        return self.geometry.run
+
+    @property
+    def run_stride(self) -> int:
+        return self.geometry.run_stride
+
+    def segments(self, data_offset: int) -> list[Segment]:
+        """The pieces as file segments, in file order, for a block whose canonical bytes start
+        at ``data_offset`` in its file: memory of the caller's view, no copy."""
+        geometry = self.geometry
+        pieces = map(self.span.__getitem__, geometry.slices)
+        return list(zip(geometry.file_offsets(data_offset), pieces, strict=True))
+
+
+def block_pieces(data: object, block_nbytes: int, chunk_nbytes: int) -> BlockPieces | None:
+    """The pieces of a non-contiguous ``numpy.ndarray`` block; None for anything else (one
+    buffer: the caller's usual path). :class:`KvstoreError` when they cannot make a block of
+    ``block_nbytes`` bytes of whole ``chunk_nbytes`` chunks (never a wrong block)."""
+    if not isinstance(data, np.ndarray) or data.flags.c_contiguous:
+        return None
+    geometry = piece_geometry(data.shape, data.strides, data.dtype, block_nbytes, chunk_nbytes)
+    try:
+        flat = data.view(np.uint8)  # the last axis is contiguous, so bytes are a view
+    except (TypeError, ValueError) as exc:
+        raise KvstoreError(
+            f"block data as strided pieces ({data.dtype} {data.shape}, strides "
+            f"{data.strides}): expected plain bytes ({exc})"
+        ) from None
+    span = as_strided(flat, shape=(geometry.extent,), strides=(1,), writeable=data.flags.writeable)
+    return BlockPieces(geometry, span.data)
+
+
+@lru_cache(maxsize=64)
+def piece_geometry(
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: np.dtype[Any],
+    block_nbytes: int,
+    chunk_nbytes: int,
+) -> PieceGeometry:
+    """The pieces of a non-contiguous view of this geometry (see :func:`block_pieces`);
+    :class:`KvstoreError` naming what is wrong (an error is not cached)."""
+    what = f"block data as strided pieces ({dtype} {shape}, strides {strides})"
+    itemsize = dtype.itemsize
+    if not shape or strides[-1] != itemsize or min(strides) < 0:
+        raise KvstoreError(f"{what}: expected a contiguous last axis and non-negative strides")
+    nbytes = itemsize * int(np.prod(shape, dtype=np.int64))
+    if nbytes != block_nbytes:
+        raise KvstoreError(f"{what}: expected {block_nbytes} bytes, got {nbytes}")
+    outer = list(shape[:-1])
+    outer_strides = list(strides[:-1])
+    piece = shape[-1] * itemsize
+    while outer and (outer[-1] == 1 or outer_strides[-1] == piece):  # merge contiguous axes
+        piece *= outer.pop()
+        outer_strides.pop()
+    if piece % chunk_nbytes:
+        raise KvstoreError(
+            f"{what}: expected pieces of whole {chunk_nbytes}-byte chunks, got {piece}-byte pieces"
+        )
+    starts = np.zeros(1, dtype=np.int64)
+    for n, stride in zip(outer, outer_strides, strict=True):
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
+    as_list = tuple(int(s) for s in starts.tolist())
+    run = outer[-1] if outer else 1
+    return PieceGeometry(
+        piece_nbytes=piece,
+        starts=as_list,
+        run=run,
+        run_stride=outer_strides[-1] if outer else 0,
+        extent=max(as_list) + piece,
+        slices=tuple(slice(s, s + piece) for s in as_list),
+        run_starts=as_list[::run],
+    )
