@@ -44,7 +44,6 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -54,14 +53,12 @@ from kvstore.errors import CorruptBlockError
 from kvstore.io.align import ALIGN
 from kvstore.io.buffers import aligned_buffer, is_aligned
 from kvstore.io.fileio import O_DIRECT
-from kvstore.io.rename import rename_noreplace
+from kvstore.io.rename import AT_FDCWD, RENAME_NOREPLACE, load_renameat2, rename_noreplace
 from kvstore.keys import HASH_HI_FANOUT
 from kvstore.store import format as fmt
 from kvstore.store.format import ShardLayout
 
 _OPEN = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # as kvstore's FileIO.open
-_RENAME_NOREPLACE = 1  # linux/fs.h
-_AT_FDCWD = -100
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 # [52, 120): hash lengths, checksum algorithm, reserved, block hash, parent hash (padded)
 _KEYS = struct.Struct("<BBBx32s32s")
@@ -71,17 +68,7 @@ _CRC_END = fmt.CRC_OFFSET + 4
 _CRC32C_RESIDUE = 0x48674BC7  # crc32c over data followed by its own crc32c (little endian)
 
 
-def _load_renameat2() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_renameat2 = _load_renameat2()
+_renameat2 = load_renameat2()  # the binding kvstore publishes with
 
 
 def publish_noreplace(tmp: str, final: str) -> None:
@@ -90,7 +77,7 @@ def publish_noreplace(tmp: str, final: str) -> None:
     if _renameat2 is None:
         rename_noreplace(tmp, final)
         return
-    if _renameat2(_AT_FDCWD, tmp.encode(), _AT_FDCWD, final.encode(), _RENAME_NOREPLACE) == 0:
+    if _renameat2(AT_FDCWD, tmp.encode(), AT_FDCWD, final.encode(), RENAME_NOREPLACE) == 0:
         return
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # the file system lacks the flag

@@ -15,14 +15,15 @@ import errno
 import os
 from typing import Any
 
-_RENAME_NOREPLACE = 1  # linux/fs.h
-_AT_FDCWD = -100
+RENAME_NOREPLACE = 1  # linux/fs.h
+AT_FDCWD = -100
 # errnos meaning "this file system (or kernel) lacks the operation", not "it failed"
 _UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
 _NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
-def _load_renameat2() -> Any:
+def load_renameat2() -> Any:
+    """glibc's ``renameat2`` through ctypes (errno kept), or None where the C library lacks it."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
     except (AttributeError, OSError):
@@ -32,7 +33,7 @@ def _load_renameat2() -> Any:
     return fn
 
 
-_renameat2 = _load_renameat2()
+_renameat2 = load_renameat2()
 
 
 def rename_noreplace(src: str, dst: str) -> None:
@@ -66,9 +67,9 @@ def rename_noreplace_at(src_dir_fd: int | None, src: str, dst_dir_fd: int | None
     renamed or linked above it meanwhile."""
     if _renameat2 is not None:
         paths = (os.fsencode(src), os.fsencode(dst))
-        src_at = _AT_FDCWD if src_dir_fd is None else src_dir_fd
-        dst_at = _AT_FDCWD if dst_dir_fd is None else dst_dir_fd
-        if _renameat2(src_at, paths[0], dst_at, paths[1], _RENAME_NOREPLACE) == 0:
+        src_at = AT_FDCWD if src_dir_fd is None else src_dir_fd
+        dst_at = AT_FDCWD if dst_dir_fd is None else dst_dir_fd
+        if _renameat2(src_at, paths[0], dst_at, paths[1], RENAME_NOREPLACE) == 0:
             return
         err = ctypes.get_errno()
         if err not in _UNSUPPORTED:
