@@ -196,6 +196,41 @@ class ChunkMap:
             raise ValueError(f"array {array}: its blocks are gathered by index, not viewed")
         return [strided.source_view(self._row_array[int(c)]) for c in chunk_ids]
 
+    def loads_in_place(self, array: int, chunk_nbytes: int | None) -> bool:
+        """Whether loads of ``array`` can read blocks straight into the rows
+        (:meth:`destination_views`): where the load plan is one strided copy whose source side
+        is the canonical block in order, each byte once (no replicas: every canonical byte
+        has exactly one place in the row), and the view is one contiguous run of the row or
+        (``chunk_nbytes`` given: the store reads pieces for the array) runs of whole inner
+        chunks of ``chunk_nbytes`` bytes (what :class:`kvstore.BlockRead` takes as pieces).
+        Decided once per array, on row 0."""
+        plan = self._plans[array]
+        strided = plan.load
+        if strided is None or self._num_chunks == 0:
+            return False
+        _, src = strided.indices()
+        if not np.array_equal(src, np.arange(self.groups[array].block_bytes // plan.unit)):
+            return False  # replicas, or pairs not in canonical order: the staged scatter
+        view = strided.destination_view(self._row_array[0])
+        if view.flags.c_contiguous:
+            return True
+        if chunk_nbytes is None:
+            return False
+        try:
+            block_pieces(view, self.groups[array].block_bytes, chunk_nbytes)
+        except KvstoreError:
+            return False  # runs that split chunks: read into staging, then scattered
+        return True
+
+    def destination_views(self, array: int, chunk_ids: Sequence[int]) -> list[np.ndarray]:
+        """Where the canonical blocks of ``chunk_ids`` go in their rows, as writable views
+        whose C order reads as the block (for arrays whose :meth:`loads_in_place` is True):
+        a load reads and verifies each block into its view, no staging, no scatter."""
+        strided = self._plans[array].load
+        if strided is None:
+            raise ValueError(f"array {array}: its blocks are scattered by index, not viewed")
+        return [strided.destination_view(self._row_array[int(c)]) for c in chunk_ids]
+
     def to_blocks(
         self, array: int, chunk_ids: Sequence[int], out: torch.Tensor | None
     ) -> list[np.ndarray]:

@@ -89,6 +89,10 @@ JOB_BATCH = 32
 # Python; the bytes on disk are the gathered ones (tests/connector/test_tier_chunks.py).
 STORE_FROM_ROWS = False
 
+# Promotions read and verify blocks straight into the rows where the load plan allows it
+# (:func:`_loads_in_place`); off: every load is staged, then scattered (kept for A/B runs).
+LOAD_INTO_ROWS = True
+
 
 class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
     """A kvstore namespace as one of vLLM's secondary offloading tiers."""
@@ -143,9 +147,10 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             raise
         try:
             self.namespace = self.store.namespace(self.identity)
-            self._in_place = [
-                _in_place(self.chunks, self.namespace.group(a), a)
-                for a in range(len(self.chunks.groups))
+            arrays = range(len(self.chunks.groups))
+            self._in_place = [_in_place(self.chunks, self.namespace.group(a), a) for a in arrays]
+            self._loads_in_place = [
+                _loads_in_place(self.chunks, self.namespace.group(a), a) for a in arrays
             ]
         except BaseException:
             self.chunks.release()
@@ -313,6 +318,17 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         nbytes = 0
         for array, items in _by_array(self.key_map, keys).items():
             block_bytes = self.chunks.groups[array].block_bytes
+            if self._loads_in_place[array]:
+                # Straight into the rows: a block that fails leaves its row partly written,
+                # which nothing reads: vLLM frees the chunks of failed promotion keys
+                # (TieringOffloadingManager._complete_promotion: complete_write(..., False)).
+                views = self.chunks.destination_views(array, [chunk_ids[i] for i, _ in items])
+                reads = [BlockRead(h, views[j]) for j, (_, h) in enumerate(items)]
+                results = self.namespace.group(array).read_blocks(reads)
+                arrived = [keys[items[j][0]] for j, r in enumerate(results) if r.ok]
+                ok.update(arrived)
+                nbytes += len(arrived) * block_bytes
+                continue
             blocks = self._buffer(len(items), array)[: len(items) * block_bytes]
             blocks = blocks.view(len(items), block_bytes)
             reads = [BlockRead(h, blocks[j].numpy()) for j, (_, h) in enumerate(items)]
@@ -363,6 +379,20 @@ def _in_place(chunks: ChunkMap, group: GroupStore, array: int) -> bool:
     if not STORE_FROM_ROWS or not layout.dense or group.compression != "none":
         return False
     return chunks.stores_in_place(array, layout.chunk_nbytes)
+
+
+def _loads_in_place(chunks: ChunkMap, group: GroupStore, array: int) -> bool:
+    """Whether promotions of ``array`` read blocks straight into the rows (no staging buffer,
+    no scatter copy): where the load plan puts each canonical byte in one place of the row
+    (:meth:`ChunkMap.loads_in_place`) and that place is one contiguous run of the row (MLA:
+    any array) or pieces of whole chunks of a raw dense array (the store reads pieces only
+    for those). Replicas, uneven pipeline splits, and pieces of padded or compressed arrays
+    are staged and scattered."""
+    if not LOAD_INTO_ROWS:
+        return False
+    layout = group.layout
+    pieces = layout.dense and group.compression == "none"
+    return chunks.loads_in_place(array, layout.chunk_nbytes if pieces else None)
 
 
 def _slices(n: int) -> list[slice]:

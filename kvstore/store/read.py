@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -33,7 +34,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from kvstore.checksum import DEVICE_ALGOS, NAMES
+from kvstore.checksum import DEVICE_ALGOS, NAMES, strided_chunk_sums
 from kvstore.errors import BlockMissingError, CorruptBlockError, EntryKindError, KvstoreError
 from kvstore.io.buffers import ThreadStaging, is_aligned
 from kvstore.io.engine import AnySegment, Data
@@ -46,6 +47,7 @@ from kvstore.store import format as fmt
 from kvstore.store.array import GroupArray, short_hash
 from kvstore.store.format import BlockHeader
 from kvstore.store.paths import held_block_name
+from kvstore.store.pieces import BlockPieces, block_pieces
 from kvstore.store.segments import byte_view, chunk_segments, host_segments, tensor_bytes
 from kvstore.store.types import BlockRead, ReadResult, ReadStatus
 
@@ -57,6 +59,7 @@ log = logging.getLogger("kvstore")
 _PIECE_NBYTES = 512 << 10
 
 _HIT = ReadResult(ReadStatus.HIT)
+_LITTLE_ENDIAN = sys.byteorder == "little"  # checksum slots are u64 little endian
 # Engines whose store already logged a device read verified through the host (once per store).
 _HOST_VERIFY_LOGGED: weakref.WeakSet[object] = weakref.WeakSet()
 
@@ -130,8 +133,11 @@ class Reader:
     def _read_one(self, req: BlockRead) -> int:  # noqa: PLR0912, PLR0915 - one verified read: buffer checks, engine choice, verify, quarantine on a bad file, copy-out; each step commented
         array = self.array
         block_hash = check_hash(req.block_hash)
-        if req.chunks is None and self._small_whole and not isinstance(req.out, torch.Tensor):
-            return self._read_small_whole(block_hash, req.out)
+        given = req.out
+        if type(given) is np.ndarray and not given.flags.c_contiguous:
+            return self._read_into_pieces(block_hash, given, req.chunks)
+        if req.chunks is None and self._small_whole and not isinstance(given, torch.Tensor):
+            return self._read_small_whole(block_hash, given)
         layout = array.layout
         whole = req.chunks is None
         chunks: Sequence[int] = self._all_chunks if whole else list(req.chunks or ())
@@ -271,6 +277,68 @@ class Reader:
             exc.file_id = read_id  # quarantine this file, not whatever has the name later
             raise
         return need
+
+    def _read_into_pieces(
+        self, block_hash: bytes, given: np.ndarray, chunks: Sequence[int] | None
+    ) -> int:
+        """A whole block of a raw dense array read straight into a strided host view (the
+        vLLM tier's row of a CPU-tier chunk: no staging buffer, no scatter copy after): one
+        ``preadv`` of the header and every piece where it lies
+        (:func:`~kvstore.store.pieces.block_pieces`, the mirror of a write from pieces), then
+        the header's check and every chunk's checksum computed where it landed, compared with
+        the header's slots. Same checks, order of failure and errors as a contiguous read; a
+        block that fails leaves the view's bytes partly written (the caller must not use
+        them: the read is a miss). Anything else given a strided view is refused."""
+        array = self.array
+        layout = array.layout
+        if chunks is not None or not self._raw_whole or not self._dense:
+            what = "chunk selections" if chunks is not None else f"{array.label}'s layout"
+            raise ValueError(
+                "read buffer: a strided numpy view is read only as a whole block of a raw, "
+                f"dense (unpadded, uncompressed) array; got one for {what}: pass contiguous "
+                "memory"
+            )
+        if not given.flags.writeable:
+            raise ValueError("read buffer: expected writable memory, got a read-only view")
+        pieces = block_pieces(given, self._block_nbytes, layout.chunk_nbytes)
+        assert pieces is not None  # a non-contiguous ndarray
+        touch_before = time.time_ns() - self._access_granularity_ns if self._touches else 0
+        path = array.block_path(block_hash)
+        header: memoryview | None = getattr(self._local, "header", None)
+        if header is None:
+            header = self._new_header()
+        segments: list[Segment] = [(0, header), *pieces.segments(self._data_offset)]
+        read_id = array.engine.read_file(path, segments, self._file_nbytes, touch_before)
+        try:
+            algo = check.header_algo(header, array.shard, block_hash)
+            if array.verify_reads:
+                check.check_algo(algo)  # an unknown algorithm id is a corrupt block
+                self._verify_pieces(algo, header, pieces)
+        except CorruptBlockError as exc:
+            exc.file_id = read_id  # quarantine this file, not whatever has the name later
+            raise
+        return self._block_nbytes
+
+    def _verify_pieces(self, algo: int, header: memoryview, pieces: BlockPieces) -> None:
+        """Every chunk of a block read into ``pieces`` against the header's slots (chunk
+        order: the pieces' order)."""
+        layout = self.array.layout
+        geometry = pieces.geometry
+        size, chunk, count = geometry.piece_nbytes, layout.chunk_nbytes, layout.num_chunks
+        if size == chunk and geometry.run > 1:  # chunks of a run at a constant stride
+            sums = strided_chunk_sums(
+                algo, pieces.span, geometry.run_starts, geometry.run_stride, geometry.run, chunk
+            )
+        else:
+            sums = strided_chunk_sums(
+                algo, pieces.span, geometry.starts, chunk, size // chunk, chunk
+            )
+        end = fmt.checksum_slot_offset(count)
+        if _LITTLE_ENDIAN and sums.tobytes() == bytes(header[fmt.HEADER_FIXED_NBYTES : end]):
+            return
+        bad = np.flatnonzero(sums != fmt.decode_checksums(header, count))
+        if bad.size:
+            raise CorruptBlockError(f"checksum mismatch in inner chunk {int(bad[0])}")
 
     def _new_header(self) -> memoryview:
         """The calling thread's header buffer (per-thread, aligned, reused: no allocation per

@@ -52,10 +52,22 @@ class BlockWrite:
 
 @dataclass(frozen=True, slots=True)
 class BlockRead:
-    """Read a block, or only some of its inner chunks, into a caller-given buffer."""
+    """Read a block, or only some of its inner chunks, into a caller-given buffer.
+
+    ``out`` is writable memory that receives the chunks back to back, in ``chunks`` order: one
+    C-contiguous buffer (or uint8-viewable tensor), or, for a whole block of a raw dense array
+    (unpadded, uncompressed), a strided host view of pieces, the mirror of
+    :class:`BlockWrite`'s: a ``numpy.ndarray`` whose last axis is contiguous, whose other
+    strides are non-negative and whose maximal contiguous runs hold whole inner chunks; the
+    block then lands in C order (``np.ascontiguousarray(out)`` is the block), read where the
+    pieces lie (one ``preadv``) and every chunk verified there. A failed read (a miss) may
+    leave a strided ``out`` partly written. A strided view anywhere else is refused with a
+    ``ValueError`` naming what is expected; bad pieces with a
+    :class:`~kvstore.errors.KvstoreError`.
+    """
 
     block_hash: bytes
-    out: Buffer  # writable; receives the chunks back to back, in ``chunks`` order
+    out: Buffer  # writable: contiguous, or a strided view of a whole raw dense block
     chunks: Sequence[int] | None = None  # inner chunk numbers (ShardLayout.chunks_of); None = all
 
 

@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a separate venv)")
 
 import connector.tier.manager
+from connector.tier.chunks import ChunkMap
 from kvstore import KVStore, StoreConfig
 
 from .harness import BLOCK, Engine, EngineOptions, prompt
@@ -216,4 +217,47 @@ def test_blocks_written_from_the_rows_promote_byte_exact(
     engine = promote(TierEngine(EngineOptions(root=tmp_path, block_size=big, **read)), tokens)
     assert engine.first_start["reader"] == 2 * big
     assert engine.prefix_ok["reader"]
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("read", "in_place"),
+    [
+        ({"tp": 1}, True),
+        ({"tp": 2}, True),
+        ({"tp": 2, "canonical": True}, True),
+        ({"layout": "LBNHC"}, False),  # NHD pages: 512-byte runs split the 4 KiB chunks
+        ({"tp": 8}, False),  # 4 KV heads over 8 ranks: replicas, each byte in two cells
+    ],
+    ids=["tp1", "tp2", "canonical", "nhd-staged", "replicas-staged"],
+)
+def test_promotions_read_straight_into_the_rows_byte_exact(
+    tmp_path: Path, read: dict[str, Any], in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """128-token blocks (raw dense arrays) stored at TP=1 are promoted at other layouts:
+    where each canonical byte has one place in the row, read and verified straight into the
+    CPU tier's rows (no staging, no scatter: ChunkMap.from_blocks is never called); elsewhere
+    staged and scattered. Byte-exact either way."""
+    big = 8 * BLOCK
+    tokens = prompt(2 * big + 3)
+    writer = TierEngine(EngineOptions(root=tmp_path, block_size=big))
+    writer.serve("writer", tokens)
+    writer.flush_tier()
+    writer.shutdown()
+    scattered: list[int] = []
+    from_blocks = ChunkMap.from_blocks
+
+    def spy(self: ChunkMap, array: int, blocks: Any, chunk_ids: Any) -> None:
+        scattered.append(len(chunk_ids))
+        from_blocks(self, array, blocks, chunk_ids)
+
+    monkeypatch.setattr(ChunkMap, "from_blocks", spy)
+    canonical = read.pop("canonical", False)
+    engine = TierEngine(EngineOptions(root=tmp_path, block_size=big, **read), canonical=canonical)
+    assert engine.tier._loads_in_place == [in_place]
+    promote(engine, tokens)
+    assert engine.first_start["reader"] == 2 * big
+    assert engine.prefix_ok["reader"]
+    assert engine.tier.store.stats.snapshot()["hits"] == 2
+    assert bool(scattered) != in_place
     engine.shutdown()

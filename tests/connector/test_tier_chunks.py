@@ -22,7 +22,7 @@ from connector.tier.chunks import ChunkGeometry, ChunkMap, build_chunk_map
 from connector.tier.strided import StridedCopy, fit_strided
 from kvstore import Identity
 from kvstore.identity import GroupSpec, attention_group
-from kvstore.store.types import BlockWrite, WriteStatus
+from kvstore.store.types import BlockRead, BlockWrite, WriteStatus
 from tests.helpers import StoreFactory, block_hash, layer_names, shard_files
 
 UNIT = 16  # bytes per unit in the fit_strided tests
@@ -304,3 +304,59 @@ def test_views_apply_exactly_where_pieces_are_whole_chunks(
     with pytest.raises(ValueError, match="gathered by index"):
         _build("pp2-uneven").source_views(0, [1])
     assert nhd.copies_on_store(0)
+
+
+# Where loads read blocks straight into the rows: each canonical byte has one place in the
+# row, and that place is one run (MLA) or runs of whole chunks (pieces: raw dense arrays).
+# NHD pages split chunks per token, DCP splits a chunk's tokens, replicated heads put a byte
+# in two cells, the uneven PP split has no strided plan: those are staged and scattered.
+LOADS_IN_PLACE = {
+    "canonical", "mla-replicated", "mla-tp1", "pp2", "tp1-hnd", "tp2-hnd",
+    "dense-canonical", "dense-tp1-hnd", "dense-tp2-hnd",
+}  # fmt: skip
+
+
+def test_loads_read_into_the_rows_exactly_where_each_byte_has_one_place(
+    make_store: StoreFactory, tmp_path: Path
+) -> None:
+    in_place = set()
+    for case in sorted(LAYOUTS) + sorted(DENSE_LAYOUTS):
+        identity, chunk_map = _any_case(case)
+        layout = make_store(tmp_path / case).namespace(identity).group(0).layout
+        if chunk_map.loads_in_place(0, layout.chunk_nbytes):
+            in_place.add(case)
+        if not chunk_map.loads_in_place(0, None):  # only one contiguous run of the row
+            assert case not in {"mla-tp1", "mla-replicated"}
+    assert in_place == LOADS_IN_PLACE
+    replicas = _chunk_map(_dense_identity(), _facts(tp=8))  # 4 heads over 8 ranks
+    assert not replicas.loads_in_place(0, 4096)
+    with pytest.raises(ValueError, match="scattered by index"):
+        _build("pp2-uneven").destination_views(0, [1])
+
+
+@pytest.mark.parametrize("case", ["mla-tp1", "dense-tp1-hnd", "dense-tp2-hnd", "dense-canonical"])
+def test_blocks_read_into_the_rows_are_the_scattered_bytes(
+    make_store: StoreFactory, tmp_path: Path, case: str
+) -> None:
+    """A load read by the store straight into the rows' views leaves the rows byte for byte
+    as reading into a buffer and scattering (ChunkMap.from_blocks) does: every cell of the
+    chunks loaded, other rows and the cells' padding untouched."""
+    identity, chunk_map = _any_case(case)
+    group = make_store(tmp_path).namespace(identity).group(0)
+    layout = group.layout
+    assert chunk_map.loads_in_place(0, layout.chunk_nbytes if layout.dense else None)
+    ids = [3, 1]
+    rng = np.random.default_rng(11)
+    blocks = rng.integers(0, 256, (len(ids), layout.block_nbytes), dtype=np.uint8)
+    hashes = [block_hash(c, case) for c in ids]
+    group.write_blocks([BlockWrite(h, b) for h, b in zip(hashes, blocks, strict=True)])
+    before = chunk_map._row_array.copy()
+    views = chunk_map.destination_views(0, ids)
+    assert all(np.shares_memory(v, chunk_map._row_array) for v in views)
+    results = group.read_blocks([BlockRead(h, v) for h, v in zip(hashes, views, strict=True)])
+    assert all(r.ok for r in results), results
+    read_in_place = chunk_map._row_array.copy()
+    chunk_map._row_array[:] = before
+    chunk_map.from_blocks(0, torch.from_numpy(blocks), ids)
+    assert np.array_equal(read_in_place, chunk_map._row_array)
+    assert not np.array_equal(read_in_place, before)

@@ -182,3 +182,52 @@ def test_a_job_part_that_raises_fails_only_its_keys(caplog: pytest.LogCaptureFix
     assert done[2].outcome == Outcome(frozenset(), 0)
     assert any("job 1 failed" in r.getMessage() for r in caplog.records)
     runner.shutdown()
+
+
+def test_corrupt_block_promoted_into_the_rows_is_a_miss_and_never_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """128-token blocks (raw dense arrays) promoted at TP=1 are read straight into the CPU
+    tier's rows: a corrupt one leaves its row partly written, is a miss (quarantined, one log
+    line), and vLLM drops its chunk (complete_write(..., False)), so the CPU tier never serves
+    it; the other keys of the same promotion job arrive and stay in the CPU tier."""
+    big = 8 * BLOCK
+    tokens = prompt(3 * big + 3)
+    writer = TierEngine(EngineOptions(root=tmp_path, block_size=big))
+    request = writer.serve("writer", tokens)
+    writer.flush_tier()
+    name = writer.tier.namespace.name
+    writer.shutdown()
+    hashes = list(request.block_hashes)
+    path, data_offset = _block_file(tmp_path, name, hashes[1])
+    raw = bytearray(path.read_bytes())
+    raw[data_offset + len(raw) // 3] ^= 0xFF  # inside a chunk in the middle of the block
+    path.write_bytes(bytes(raw))
+    engine = TierEngine(EngineOptions(root=tmp_path, block_size=big))
+    assert engine.tier._loads_in_place == [True]  # the path under test is taken
+    cpu_tier = engine.tiering.primary_tier
+    completed: list[tuple[set[bytes], bool]] = []
+    complete_write = cpu_tier.complete_write
+
+    def spy(keys: Any, req_context: Any, success: bool = True) -> None:
+        completed.append(({bytes(k) for k in keys}, success))
+        complete_write(keys, req_context, success)
+
+    monkeypatch.setattr(cpu_tier, "complete_write", spy)
+    with caplog.at_level(logging.WARNING):
+        engine.serve("reader", [*tokens, 999], max_tokens=1)
+    assert engine.first_start["reader"] == big  # block 0 promoted, block 1 a miss
+    assert engine.prefix_ok["reader"]  # what the request started with is the right KV
+    assert min(engine.computed["reader"]) == big
+    stats = engine.tier.store.stats.snapshot()
+    assert stats["corrupt"] == 1 and stats["hits"] >= 1
+    assert list((tmp_path / name / "quarantine").iterdir())
+    assert sum("corrupt" in r.getMessage() for r in caplog.records) == 1
+    # vLLM freed the chunk the corrupt block was read into (never made ready, never served)
+    # and kept the job's other keys
+    key = [h + bytes(4) for h in hashes]
+    failed = set().union(*(keys for keys, ok in completed if not ok))
+    done = set().union(*(keys for keys, ok in completed if ok))
+    assert key[1] in failed and key[1] not in done
+    assert key[0] in done and key[0] not in failed
+    engine.shutdown()

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore import Identity
+from kvstore import Identity, KvstoreError
 from kvstore.checksum import CRC32C, WSUM64, XXH3_64, chunk_sums, strided_chunk_sums
 from kvstore.store.format import ShardLayout
 from kvstore.store.pieces import block_pieces
@@ -161,3 +161,74 @@ def test_piece_geometry_is_shared_per_shape_and_each_block_reads_its_own_memory(
     assert other_pieces is not None and other_pieces.geometry is not pieces[0].geometry  # type: ignore[union-attr]
     joined = b"".join(bytes(piece) for _, piece in other_pieces.segments(0))
     assert joined == np.ascontiguousarray(other).tobytes()
+
+
+def _empty_views(layout: ShardLayout) -> dict[str, np.ndarray]:
+    """:func:`_views` over zeroed memory: where a read into pieces lands."""
+    return _views(layout, np.zeros(layout.block_nbytes, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_whole_blocks_read_into_strided_views_byte_exact(
+    make_store: StoreFactory, any_identity: Identity, verify: bool
+) -> None:
+    """A strided view is read into where it lies (the tier's promotion into a CPU-tier row):
+    its C-order bytes are the block; padded and MLA arrays refuse it with words naming what
+    is expected (their readers take contiguous memory)."""
+    group = make_store(verify_reads=verify).namespace(any_identity).group(0)
+    layout = group.layout
+    canon = block_bytes(layout, 5)
+    h = block_hash(5, "read-views")
+    (written,) = group.write_blocks([BlockWrite(h, canon)])
+    assert written.status is WriteStatus.WRITTEN
+    for name, view in _empty_views(layout).items():
+        if not layout.dense:
+            with pytest.raises(ValueError, match="whole block of a raw, dense"):
+                group.read_blocks([BlockRead(h, view)])
+            continue
+        (result,) = group.read_blocks([BlockRead(h, view)])
+        assert result.status is ReadStatus.HIT, name
+        assert np.array_equal(np.ascontiguousarray(view).reshape(-1), canon), name
+
+
+def test_strided_reads_refuse_chunk_selections_and_read_only_views(
+    make_store: StoreFactory, small_identity: Identity
+) -> None:
+    group = make_store().namespace(small_identity).group(0)
+    layout = group.layout
+    assert layout.dense
+    h = block_hash(6, "refused")
+    group.write_blocks([BlockWrite(h, block_bytes(layout, 6))])
+    view = _empty_views(layout)["gapped"]
+    with pytest.raises(ValueError, match="got one for chunk selections"):
+        group.read_blocks([BlockRead(h, view[:2], chunks=[0, 1])])
+    view.flags.writeable = False
+    with pytest.raises(ValueError, match="expected writable memory"):
+        group.read_blocks([BlockRead(h, view)])
+    halves = np.zeros((2 * layout.num_chunks, layout.chunk_nbytes // 2 + 64), dtype=np.uint8)
+    with pytest.raises(KvstoreError, match="pieces of whole"):
+        group.read_blocks([BlockRead(h, halves[:, : layout.chunk_nbytes // 2])])
+
+
+def test_corrupt_chunk_read_into_a_strided_view_is_a_quarantined_miss(
+    make_store: StoreFactory, root: Path, small_identity: Identity
+) -> None:
+    """Every chunk is checked where it landed: a flipped byte in the last chunk makes the read
+    CORRUPT (the file quarantined), a flipped header byte too; a good block still reads."""
+    group = make_store().namespace(small_identity).group(0)
+    layout = group.layout
+    hashes = [block_hash(i, "corrupt-views") for i in range(3)]
+    group.write_blocks([BlockWrite(h, block_bytes(layout, i)) for i, h in enumerate(hashes)])
+    for h, where in ((hashes[0], layout.data_end - 1), (hashes[1], 40)):
+        path = Path(group.path_of(h))
+        raw = bytearray(path.read_bytes())
+        raw[where] ^= 0x5A
+        path.write_bytes(bytes(raw))
+    views = [_empty_views(layout)["transposed"] for _ in hashes]
+    results = group.read_blocks([BlockRead(h, v) for h, v in zip(hashes, views, strict=True)])
+    assert [r.status for r in results] == [ReadStatus.CORRUPT, ReadStatus.CORRUPT, ReadStatus.HIT]
+    assert f"inner chunk {layout.num_chunks - 1}" in results[0].error
+    assert np.array_equal(np.ascontiguousarray(views[2]).reshape(-1), block_bytes(layout, 2))
+    assert not Path(group.path_of(hashes[0])).exists()  # quarantined: never served again
+    (again,) = group.read_blocks([BlockRead(hashes[0], views[0])])
+    assert again.status is ReadStatus.MISS
