@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from kvstore.checksum import strided_chunk_sums
 from kvstore.errors import KvstoreError
 from kvstore.io.types import Segment
 
@@ -79,6 +80,25 @@ class BlockPieces:
     @property
     def run_stride(self) -> int:
         return self.geometry.run_stride
+
+    def chunk_sums(self, algo: int, chunk_nbytes: int) -> np.ndarray:
+        """The checksums of the block's inner chunks of ``chunk_nbytes`` bytes, in block
+        order, computed where the pieces lie (:func:`~kvstore.checksum.strided_chunk_sums`:
+        one native call per run of chunks at a constant stride for xxh3_64)."""
+        geometry = self.geometry
+        size = geometry.piece_nbytes
+        if size == chunk_nbytes and geometry.run > 1:  # chunks of a run at a constant stride
+            return strided_chunk_sums(
+                algo,
+                self.span,
+                geometry.run_starts,
+                geometry.run_stride,
+                geometry.run,
+                chunk_nbytes,
+            )
+        return strided_chunk_sums(
+            algo, self.span, geometry.starts, chunk_nbytes, size // chunk_nbytes, chunk_nbytes
+        )
 
     def segments(self, data_offset: int) -> list[Segment]:
         """The pieces as file segments, in file order, for a block whose canonical bytes start

@@ -30,7 +30,6 @@ from kvstore.checksum import (
     checksum_chunks,
     checksum_tensor_rows,
     chunk_sums,
-    strided_chunk_sums,
 )
 from kvstore.errors import KvstoreError
 from kvstore.io.buffers import ThreadStaging, aligned_buffer
@@ -211,21 +210,7 @@ class Publisher:
         the pieces where they lie), one segment per piece at its canonical offset, index."""
         array = self.array
         layout = array.layout
-        geometry = pieces.geometry
-        size, chunk = geometry.piece_nbytes, layout.chunk_nbytes
-        if size == chunk and geometry.run > 1:  # chunks of a run at a constant stride
-            sums = strided_chunk_sums(
-                array.checksum_algo,
-                pieces.span,
-                geometry.run_starts,
-                geometry.run_stride,
-                geometry.run,
-                chunk,
-            )
-        else:
-            sums = strided_chunk_sums(
-                array.checksum_algo, pieces.span, geometry.starts, chunk, size // chunk, chunk
-            )
+        sums = pieces.chunk_sums(array.checksum_algo, layout.chunk_nbytes)
         header = self._header_into(block_hash, parent, time.time_ns(), sums)
         segments: list[AnySegment] = [(0, header)]
         segments += pieces.segments(layout.data_offset)  # no slice built in Python per piece

@@ -34,7 +34,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from kvstore.checksum import DEVICE_ALGOS, NAMES, strided_chunk_sums
+from kvstore.checksum import DEVICE_ALGOS, NAMES
 from kvstore.errors import BlockMissingError, CorruptBlockError, EntryKindError, KvstoreError
 from kvstore.io.buffers import ThreadStaging, is_aligned
 from kvstore.io.engine import AnySegment, Data
@@ -288,7 +288,9 @@ class Reader:
         the header's check and every chunk's checksum computed where it landed, compared with
         the header's slots. Same checks, order of failure and errors as a contiguous read; a
         block that fails leaves the view's bytes partly written (the caller must not use
-        them: the read is a miss). Anything else given a strided view is refused."""
+        them: the read is a miss). Always buffered (``direct_reads`` needs aligned memory,
+        which pieces of a caller's rows need not be). Anything else given a strided view is
+        refused."""
         array = self.array
         layout = array.layout
         if chunks is not None or not self._raw_whole or not self._dense:
@@ -323,16 +325,8 @@ class Reader:
         """Every chunk of a block read into ``pieces`` against the header's slots (chunk
         order: the pieces' order)."""
         layout = self.array.layout
-        geometry = pieces.geometry
-        size, chunk, count = geometry.piece_nbytes, layout.chunk_nbytes, layout.num_chunks
-        if size == chunk and geometry.run > 1:  # chunks of a run at a constant stride
-            sums = strided_chunk_sums(
-                algo, pieces.span, geometry.run_starts, geometry.run_stride, geometry.run, chunk
-            )
-        else:
-            sums = strided_chunk_sums(
-                algo, pieces.span, geometry.starts, chunk, size // chunk, chunk
-            )
+        count = layout.num_chunks
+        sums = pieces.chunk_sums(algo, layout.chunk_nbytes)
         end = fmt.checksum_slot_offset(count)
         if _LITTLE_ENDIAN and sums.tobytes() == bytes(header[fmt.HEADER_FIXED_NBYTES : end]):
             return
