@@ -16,10 +16,11 @@ once (tiering/base.py):
 * ``submit_store`` / ``submit_load``: queue the job on the store / load threads
   (:class:`connector.tier.jobs.JobRunner`); a store publishes the chunks' canonical blocks
   (:meth:`kvstore.GroupStore.write_blocks`: checksums, atomic rename, fsync per
-  ``durability``), gathered (or, with :data:`STORE_FROM_ROWS`, as strided views of the rows
-  where their runs are whole inner chunks of a raw dense array: no gather); a
-  load reads and verifies them (:meth:`kvstore.GroupStore.read_blocks`) and scatters
-  the hits into the chunk rows;
+  ``durability``), as strided views of the rows where their runs are whole inner chunks of
+  a raw dense array (:data:`STORE_FROM_ROWS`: no gather), otherwise gathered; a load reads
+  and verifies them (:meth:`kvstore.GroupStore.read_blocks`) straight into the chunk rows
+  where each canonical byte has one place there (:data:`LOAD_INTO_ROWS`), otherwise into a
+  staging buffer, then scatters the hits into the rows;
 * ``get_finished_jobs``: the outcomes. A block that is missing, corrupt (quarantined by the
   store), or unreadable fails its promotion, and only that key becomes a miss
   (``successful_keys`` keeps the others); a failed write fails its store job. Nothing raises
@@ -80,14 +81,15 @@ log = logging.getLogger("kvstore.connector")
 # thread's staging buffer.
 JOB_BATCH = 32
 
-# Stores hand the store strided views of the rows (pieces, no gather) where they apply. Off:
-# measured slower today (scripts/bench.py --suite tier, llama-8B 16-token blocks: 256 pieces
-# of 8 KiB per block; kvstore none 1.60 vs 0.85 CPU s/GB, 0.59 vs 1.19 GB/s in one A/B run):
-# the engine spends ~1.5 us of Python per segment (alignment check, write plan, memoryview
-# cast), ~0.4 ms per block, more than the ~0.1 ms gather copy it saves, and the store threads
-# then contend for the GIL. Turn on once the engine takes strided pieces without per-segment
-# Python; the bytes on disk are the gathered ones (tests/connector/test_tier_chunks.py).
-STORE_FROM_ROWS = False
+# Stores hand the store strided views of the rows (pieces, no gather) where they apply
+# (:func:`_in_place`); the bytes on disk are the gathered ones (tests/connector/
+# test_tier_chunks.py). On since the pieces' geometry is cached per view shape (a block costs
+# a lookup, one span and one zip of cached offsets and slices, ~35 us for llama-8B's 256
+# pieces, was ~95). llama-3.1-8b 16-token blocks through vLLM's TieringOffloadingManager,
+# store on tmpfs, three runs of 5 rounds alternating fs / gathered / from the rows: median
+# store CPU s/GB 0.94-1.05 from the rows vs 1.08-1.11 gathered, GB/s 1.65-1.83 vs 1.64-1.68.
+# Off: every store is gathered (kept for A/B runs).
+STORE_FROM_ROWS = True
 
 # Promotions read and verify blocks straight into the rows where the load plan allows it
 # (:func:`_loads_in_place`); off: every load is staged, then scattered (kept for A/B runs).

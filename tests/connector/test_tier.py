@@ -19,7 +19,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a separate venv)")
 
-import connector.tier.manager
 from connector.tier.chunks import ChunkMap
 from kvstore import KVStore, StoreConfig
 
@@ -199,12 +198,11 @@ def test_mla_and_hybrid_models_round_trip(tmp_path: Path) -> None:
     ids=["tp1-to-tp2", "canonical-to-tp1"],
 )
 def test_blocks_written_from_the_rows_promote_byte_exact(
-    tmp_path: Path, write: dict[str, Any], read: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, write: dict[str, Any], read: dict[str, Any]
 ) -> None:
     """128-token blocks: 4 KiB inner chunks, a raw dense array, where the tier writes HND
-    rows as pieces (views of the CPU tier's rows, no gather; off by default: STORE_FROM_ROWS);
+    rows as pieces (views of the CPU tier's rows, no gather: the default, STORE_FROM_ROWS);
     another layout promotes them."""
-    monkeypatch.setattr(connector.tier.manager, "STORE_FROM_ROWS", True)
     big = 8 * BLOCK
     tokens = prompt(2 * big + 3)
     canonical = write.pop("canonical", False)
