@@ -41,20 +41,17 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from kvstore.bench.common import Workload, run_pool
+from kvstore.bench.common import RawFloor, Workload, run_pool
 from kvstore.checksum import XXH3_64, chunk_sums, crc32c
 from kvstore.errors import CorruptBlockError
 from kvstore.io.align import ALIGN
 from kvstore.io.buffers import aligned_buffer, is_aligned
 from kvstore.io.fileio import O_DIRECT
 from kvstore.io.rename import AT_FDCWD, RENAME_NOREPLACE, load_renameat2, rename_noreplace
-from kvstore.keys import HASH_HI_FANOUT
 from kvstore.store import format as fmt
 from kvstore.store.format import ShardLayout
 
@@ -107,7 +104,7 @@ def stored(path: str) -> bool:
     return True
 
 
-class ProtocolFloor:
+class ProtocolFloor(RawFloor):
     """kvstore's mandatory protocol per block, leanest Python (see the module docstring).
 
     ``layout`` and ``namespace_digest`` fix the header's geometry and namespace (group 0);
@@ -125,16 +122,10 @@ class ProtocolFloor:
         durable: bool,
         direct: bool = False,
     ) -> None:
-        self.root = root
+        super().__init__(root, threads, durable, direct)  # root, pool, fan-out directories
         self.layout = layout
-        self.durable = durable
-        self.direct = direct
-        self.threads = threads
-        self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
         self.written = 0  # blocks published by this floor (not skipped, not refused)
         self._file_nbytes = layout.file_nbytes
-        for hi in range(HASH_HI_FANOUT):
-            (root / str(hi)).mkdir(parents=True, exist_ok=True)
         template = fmt.encode_fixed_header(layout, namespace_digest, 0, b"\x01", None, 0, 0)
         self._prefix = template[: fmt.HASH_LEN_OFFSET]  # magic .. group
         self._geometry = template[fmt.GEOMETRY_OFFSET : fmt.CREATED_OFFSET]
@@ -158,9 +149,6 @@ class ProtocolFloor:
             f"index{sync}, renameat2(RENAME_NOREPLACE); reads: open, fstat, preadv, close, "
             "header and xxh3_64 of every chunk checked (one native call per block)"
         )
-
-    def path(self, block_hash: bytes) -> str:
-        return f"{self.root}/{block_hash[0]}/{block_hash[1:9].hex()}"
 
     # -- per-thread buffers ------------------------------------------------------------------
 
@@ -225,7 +213,7 @@ class ProtocolFloor:
             out += (data[c * size : (c + 1) * size], pad)
         return out
 
-    def _write_one(self, args: tuple[bytes, bytes | None, np.ndarray]) -> int | None:
+    def _publish_one(self, args: tuple[bytes, bytes | None, np.ndarray]) -> int | None:
         """One block: the fan-out directory it was published in, None when already stored
         (before or, by another writer, during its write)."""
         block_hash, parent, array = args
@@ -274,9 +262,9 @@ class ProtocolFloor:
         for batch in work.batches():
             items = [(work.hashes[i], work.parents[i], work.data(i)) for i in batch]
             if self.pool is None:
-                dirs = [self._write_one(item) for item in items]
+                dirs = [self._publish_one(item) for item in items]
             else:
-                dirs = list(self.pool.map(self._write_one, items))
+                dirs = list(self.pool.map(self._publish_one, items))
             fanouts = {hi for hi in dirs if hi is not None}
             if self.durable and fanouts:
                 run_pool(self.pool, self._sync_dir, sorted(fanouts))
@@ -333,15 +321,3 @@ class ProtocolFloor:
         sums = chunk_sums(XXH3_64, data, layout.chunk_nbytes, layout.num_chunks)
         if not fixed.startswith(sums.tobytes(), fmt.HEADER_FIXED_NBYTES):
             raise CorruptBlockError(f"{path}: inner chunk checksum mismatch")
-
-    def read(self, work: Workload, outs: Sequence[np.ndarray]) -> float:
-        start = time.perf_counter()
-        for batch in work.batches():
-            run_pool(
-                self.pool, self._read_one, [(work.hashes[i], outs[i % len(outs)]) for i in batch]
-            )
-        return time.perf_counter() - start
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
