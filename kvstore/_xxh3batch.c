@@ -54,6 +54,23 @@ xxh3batch_bind(PyObject *Py_UNUSED(module), PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* The capsule name of function(): kvstore/_fileproto.c takes the hash function this way, so
+ * the one binding above (and its self-test in kvstore/checksum.py) serves both modules. */
+#define XXH3_CAPSULE_NAME "kvstore._xxh3batch.XXH3_64bits"
+
+static PyObject *
+xxh3batch_function(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
+{
+    xxh3_64_fn fn = bound_fn;
+    if (fn == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "xxh3 batch: bind() has not succeeded");
+        return NULL;
+    }
+    void *address;
+    memcpy(&address, &fn, sizeof address);
+    return PyCapsule_New(address, XXH3_CAPSULE_NAME, NULL);
+}
+
 static PyObject *
 xxh3batch_is_bound(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
 {
@@ -196,6 +213,11 @@ static PyMethodDef xxh3batch_methods[] = {
     {"bind", xxh3batch_bind, METH_VARARGS,
      "bind(path, symbol): use function `symbol` (XXH3_64bits' signature) of the shared "
      "library at `path`; OSError if it cannot be opened or lacks the symbol."},
+    {"function", xxh3batch_function, METH_NOARGS,
+     "function() -> capsule: the bound XXH3_64bits-signature function, as a PyCapsule named "
+     "'" XXH3_CAPSULE_NAME "' (kvstore._fileproto hashes with it); RuntimeError before a "
+     "successful bind(). The capsule stays valid for the process's life (handles are never "
+     "closed)."},
     {"is_bound", xxh3batch_is_bound, METH_NOARGS, "is_bound() -> bool: has bind() succeeded."},
     {"sums", xxh3batch_sums, METH_VARARGS,
      "sums(data, chunk_nbytes, count, stride, out): out[i] = xxh3_64 of the chunk_nbytes "

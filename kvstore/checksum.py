@@ -229,11 +229,23 @@ NATIVE_SYMBOLS = ("XXH3_64bits_dispatch", "XXH3_64bits")
 _native_lock = threading.Lock()
 # (the batch function or None, why it is not used or None); None until the first use binds.
 _native_state: tuple[BatchSums | None, str | None] | None = None
+# The bound function as kvstore._xxh3batch.function()'s capsule once the batch is bound and
+# self-tested (None otherwise): kvstore._fileproto hashes with it while it reads or writes.
+_native_capsule: object | None = None
 
 
 def native_batch_unavailable() -> str | None:
     """Why the native xxh3 batch is not used (binding it on first call), None when it is."""
     return _native_binding()[1]
+
+
+def native_xxh3_capsule() -> object | None:
+    """The self-tested XXH3 function of the native batch as a PyCapsule (for the fused reads
+    and writes of :mod:`kvstore.io.fileproto`), binding it on first call; None when the
+    native batch is not used (then those run their Python reference)."""
+    if _native_state is None:
+        _native_binding()
+    return _native_capsule
 
 
 def _native_sums() -> BatchSums | None:
@@ -277,6 +289,9 @@ def _bind_native() -> tuple[BatchSums | None, str | None]:
             continue
         wrong = self_test(sums)
         if wrong is None:
+            global _native_capsule  # noqa: PLW0603 - set once, with the binding
+            function = getattr(native, "function", None)  # (a build older than the capsule)
+            _native_capsule = function() if function is not None else None
             return sums, None
         problems.append(f"{symbol} failed its self-test: {wrong}")
     return None, "; ".join(problems)

@@ -42,14 +42,18 @@ import errno
 import fcntl
 import os
 import stat
+import sys
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import numpy as np
+
+from kvstore.checksum import XXH3_64, chunk_sums, native_xxh3_capsule
 from kvstore.errors import CorruptBlockError, EntryKindError
 from kvstore.io.entries import FileId, describe_kind, file_id, not_regular, open_dir_nofollow
-from kvstore.io.fileproto import native_fileproto
+from kvstore.io.fileproto import ReadOutcome, native_fileproto
 from kvstore.io.rename import rename_noreplace, rename_noreplace_at
-from kvstore.io.types import Segment
+from kvstore.io.types import Hashing, Segment
 
 # Linux's IOV_MAX; os.sysconf may not know it everywhere.
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
@@ -273,20 +277,92 @@ class FileIO:
             return native.write_new(path, flags, mode, segments, stop, file_nbytes)
         fd = self.open(path, flags, mode)
         try:
-            end = 0
-            for offset, buffers in coalesce(segments[:stop]):
-                end = max(end, offset + write_fully(self, fd, buffers, offset))
-            if stop < len(segments):
-                if flags & O_DIRECT:
-                    self.clear_direct(fd, flags)
-                for offset, buffers in coalesce(segments[stop:]):
-                    end = max(end, offset + write_fully(self, fd, buffers, offset))
+            end = self._write_runs(fd, flags, segments, 0, len(segments), stop, 0)
             if end != file_nbytes:  # a new file ends where its last byte went
                 self.ftruncate(fd, file_nbytes)
         except BaseException:
             self.close(fd)
             raise
         return fd
+
+    def write_new_hashed(  # noqa: PLR0913 - write_new's arguments and the checksums' plan
+        self,
+        path: str,
+        flags: int,
+        mode: int,
+        segments: Sequence[Segment],
+        file_nbytes: int,
+        hashing: Hashing,
+        buffered_from: int | None = None,
+    ) -> int:
+        """:meth:`write_new`, checksumming the chunks of segments ``hashing.first`` to
+        ``hashing.last`` into ``hashing.sums`` as they are written (:class:`Hashing`): those
+        segments go first, group by group, each group hashed just before its vectored write
+        (its bytes are then in the CPU cache when the write copies them), then the other
+        segments in order. A caller writes a block's data this way and its header, whose
+        checksum slots ``hashing.sums`` may be, after it: the file is a temporary one that
+        nothing reads before it is renamed.
+
+        With ``O_DIRECT`` the hashed segments must lie before ``buffered_from`` (O_DIRECT,
+        once cleared, is not set again). Bad geometry is a ValueError before any file is
+        created.
+        """
+        stop = len(segments) if buffered_from is None else buffered_from
+        h = hashing
+        if (
+            self._native_allowed
+            and h.algo == XXH3_64
+            and h.sums.dtype == np.uint64
+            and (native := native_fileproto()) is not None
+            and (xxh3 := native_xxh3_capsule()) is not None
+        ):
+            return native.write_new_hashed(
+                path, flags, mode, segments, stop, file_nbytes,
+                h.first, h.last, h.chunk_nbytes, h.group_nbytes, h.sums, xxh3,
+            )  # fmt: skip
+        groups = _hashed_groups(segments, h)
+        if flags & O_DIRECT and h.last > stop and h.last > h.first:
+            raise ValueError(
+                f"write_new_hashed: expected the hashed segments [{h.first}, {h.last}) before "
+                f"buffered_from ({stop}) with O_DIRECT"
+            )
+        fd = self.open(path, flags, mode)
+        try:
+            end = done = 0
+            for offset, parts in groups:
+                done = _hash_parts(h, parts, done)
+                end = max(end, offset + write_fully(self, fd, parts, offset))
+            end = self._write_runs(fd, flags, segments, 0, h.first, stop, end)
+            end = self._write_runs(fd, flags, segments, h.last, len(segments), stop, end)
+            if end != file_nbytes:  # a new file ends where its last byte went
+                self.ftruncate(fd, file_nbytes)
+        except BaseException:
+            self.close(fd)
+            raise
+        return fd
+
+    def _write_runs(  # noqa: PLR0913 - the file, its flags, which segments, where direct ends
+        self,
+        fd: int,
+        flags: int,
+        segments: Sequence[Segment],
+        lo: int,
+        hi: int,
+        buffered_from: int,
+        end: int,
+    ) -> int:
+        """Segments ``[lo, hi)`` written one vectored write per file-contiguous run, O_DIRECT
+        cleared before segment ``buffered_from`` (when the flags hold it); returns the
+        furthest byte written (``end`` or beyond)."""
+        if lo < buffered_from:
+            for offset, buffers in coalesce(segments[lo : min(hi, buffered_from)]):
+                end = max(end, offset + write_fully(self, fd, buffers, offset))
+        if hi > buffered_from:
+            if flags & O_DIRECT and lo <= buffered_from:
+                self.clear_direct(fd, flags)
+            for offset, buffers in coalesce(segments[max(lo, buffered_from) : hi]):
+                end = max(end, offset + write_fully(self, fd, buffers, offset))
+        return end
 
     def read_regular(  # noqa: PLR0913 - the file, its expected size, and what to fill
         self,
@@ -310,7 +386,7 @@ class FileIO:
         """
         if self._native_allowed and (native := native_fileproto()) is not None:
             try:
-                mode, size, dev, ino, _mtime_ns, short = native.read_regular(
+                outcome = native.read_regular(
                     path, flags, segments, file_nbytes, allow_trailer, touch_if_older_than_ns
                 )
             except OSError as exc:
@@ -318,19 +394,68 @@ class FileIO:
                 if refused is exc:
                     raise
                 raise refused from None
-            if not stat.S_ISREG(mode):
-                raise not_regular(path, mode)
-            try:
-                check_size(size, file_nbytes, allow_trailer)
-                _check_run(short)
-            except CorruptBlockError as exc:
-                exc.file_id = (dev, ino)
-                raise
-            return dev, ino
+            return _native_read(path, outcome, file_nbytes, allow_trailer)
         fd, st = self.open_regular(path, flags)
         try:
             check_size(st.st_size, file_nbytes, allow_trailer)
             for offset, buffers in coalesce(segments):
+                read_run(self, fd, buffers, offset)
+            if st.st_mtime_ns < touch_if_older_than_ns:
+                # A read-only mount or foreign owner: last-use tracking is best effort.
+                with contextlib.suppress(OSError):
+                    self.touch(fd)
+        except CorruptBlockError as exc:
+            exc.file_id = file_id(st)  # the file found corrupt, whatever the name holds now
+            raise
+        finally:
+            self.close(fd)
+        return file_id(st)
+
+    def read_regular_hashed(  # noqa: PLR0913 - read_regular's arguments and the checksums' plan
+        self,
+        path: str,
+        flags: int,
+        segments: Sequence[Segment],
+        file_nbytes: int,
+        hashing: Hashing,
+        touch_if_older_than_ns: int = 0,
+    ) -> FileId:
+        """:meth:`read_regular` (no trailer), checksumming the chunks of segments
+        ``hashing.first`` to ``hashing.last`` into ``hashing.sums`` as they are read
+        (:class:`Hashing`): each group right after its vectored read, while it is in the CPU
+        cache. The segments are read in order; the caller compares the values (after checking
+        the header it read) - this only computes them. A short read stops the read (values
+        after it are not written) and raises what :meth:`read_regular` raises."""
+        h = hashing
+        if (
+            self._native_allowed
+            and h.algo == XXH3_64
+            and h.sums.dtype == np.uint64
+            and (native := native_fileproto()) is not None
+            and (xxh3 := native_xxh3_capsule()) is not None
+        ):
+            try:
+                outcome = native.read_regular_hashed(
+                    path, flags, segments, file_nbytes, touch_if_older_than_ns,
+                    h.first, h.last, h.chunk_nbytes, h.group_nbytes, h.sums, xxh3,
+                )  # fmt: skip
+            except OSError as exc:
+                refused = _refused_open(path, exc)
+                if refused is exc:
+                    raise
+                raise refused from None
+            return _native_read(path, outcome, file_nbytes, False)
+        groups = _hashed_groups(segments, h)
+        fd, st = self.open_regular(path, flags)
+        try:
+            check_size(st.st_size, file_nbytes, False)
+            for offset, buffers in coalesce(segments[: h.first]):
+                read_run(self, fd, buffers, offset)
+            done = 0
+            for offset, parts in groups:
+                read_run(self, fd, parts, offset)
+                done = _hash_parts(h, parts, done)
+            for offset, buffers in coalesce(segments[h.last :]):
                 read_run(self, fd, buffers, offset)
             if st.st_mtime_ns < touch_if_older_than_ns:
                 # A read-only mount or foreign owner: last-use tracking is best effort.
@@ -401,6 +526,96 @@ def _refused_open(path: str, exc: OSError) -> OSError:
     if stat.S_ISREG(mode):
         return exc
     return not_regular(path, mode)
+
+
+def _native_read(path: str, outcome: ReadOutcome, file_nbytes: int, allow_trailer: bool) -> FileId:
+    """The identity of the file a native read read, or what the Python reference raises for
+    the same outcome: not a regular file, the wrong size, a short run."""
+    mode, size, dev, ino, _mtime_ns, short = outcome
+    if not stat.S_ISREG(mode):
+        raise not_regular(path, mode)
+    try:
+        check_size(size, file_nbytes, allow_trailer)
+        _check_run(short)
+    except CorruptBlockError as exc:
+        exc.file_id = (dev, ino)
+        raise
+    return dev, ino
+
+
+# Most pieces of segments in one group of a hashed transfer: the bound kvstore/_fileproto.c's
+# GROUP_PARTS keeps, so both cut a run the same way (the same short-read words).
+_GROUP_PARTS = 64
+
+
+def _hashed_groups(segments: Sequence[Segment], h: Hashing) -> list[tuple[int, list[memoryview]]]:
+    """The groups of a hashed transfer, as kvstore/_fileproto.c's ``hashed_transfer`` cuts
+    them: ``(file offset, pieces)``, each a file-contiguous run of whole chunks of at most
+    ``h.group_nbytes`` (rounded down to whole chunks) in at most :data:`_GROUP_PARTS` pieces,
+    of segments ``[h.first, h.last)``. Raises the extension's ValueError, with its words, for
+    bad geometry."""
+    n = len(segments)
+    if not 0 <= h.first <= h.last <= n:
+        raise ValueError(
+            f"file protocol: expected hashed segments 0 <= first <= last <= {n}, got "
+            f"[{h.first}, {h.last})"
+        )
+    size = h.chunk_nbytes
+    if size <= 0 or h.group_nbytes < size:
+        raise ValueError(
+            "file protocol: expected chunk_nbytes > 0 and group_nbytes >= chunk_nbytes, got "
+            f"{size} and {h.group_nbytes}"
+        )
+    views = [memoryview(data).cast("B") for _, data in segments[h.first : h.last]]
+    for i, view in enumerate(views, h.first):
+        if len(view) % size:
+            raise ValueError(
+                f"file protocol: expected hashed segment {i} to hold whole chunks of {size} "
+                f"bytes, got {len(view)} bytes"
+            )
+    chunks = sum(len(v) for v in views) // size
+    sums = h.sums.data
+    fmt = sums.format.lstrip("@=<" if sys.byteorder == "little" else "@=>!")
+    if sums.itemsize != 8 or fmt not in ("Q", "L") or sums.nbytes // 8 < chunks:
+        raise ValueError(
+            f"file protocol: expected sums of at least {chunks} native uint64 values, got "
+            f"format '{sums.format}', {sums.nbytes} bytes"
+        )
+    group = h.group_nbytes - h.group_nbytes % size
+    offsets = [offset for offset, _ in segments[h.first : h.last]]
+    groups: list[tuple[int, list[memoryview]]] = []
+    i, consumed = 0, 0  # the segment being cut, and its bytes already in a group
+    while i < len(views):
+        if len(views[i]) == consumed:
+            i, consumed = i + 1, 0
+            continue
+        start, want = offsets[i] + consumed, 0
+        parts: list[memoryview] = []
+        while i < len(views) and len(parts) < _GROUP_PARTS:
+            left = len(views[i]) - consumed
+            if left == 0:  # this segment is done: does the next one continue the group?
+                if i + 1 < len(views) and offsets[i + 1] == start + want:
+                    i, consumed = i + 1, 0
+                    continue
+                break
+            take = min(left, group - want)
+            if take == 0:
+                break
+            parts.append(views[i][consumed : consumed + take])
+            consumed += take
+            want += take
+        groups.append((start, parts))
+    return groups
+
+
+def _hash_parts(h: Hashing, parts: Sequence[memoryview], done: int) -> int:
+    """The chunks of ``parts`` checksummed into ``h.sums`` from value ``done`` on; returns
+    the values written so far."""
+    for part in parts:
+        count = len(part) // h.chunk_nbytes
+        chunk_sums(h.algo, part, h.chunk_nbytes, count, h.sums[done : done + count])
+        done += count
+    return done
 
 
 def check_size(size: int, file_nbytes: int, allow_trailer: bool) -> None:

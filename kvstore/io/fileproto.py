@@ -55,6 +55,39 @@ class NativeFileProto(Protocol):
         /,
     ) -> ReadOutcome: ...
 
+    def write_new_hashed(  # noqa: PLR0913 - the C function's arguments
+        self,
+        path: str,
+        flags: int,
+        mode: int,
+        segments: Sequence[tuple[int, Any]],
+        buffered_from: int,
+        file_nbytes: int,
+        first: int,
+        last: int,
+        chunk_nbytes: int,
+        group_nbytes: int,
+        sums: Any,
+        xxh3: object,
+        /,
+    ) -> int: ...
+
+    def read_regular_hashed(  # noqa: PLR0913 - the C function's arguments
+        self,
+        path: str,
+        flags: int,
+        segments: Sequence[tuple[int, Any]],
+        expected_size: int,
+        touch_if_older_than_ns: int,
+        first: int,
+        last: int,
+        chunk_nbytes: int,
+        group_nbytes: int,
+        sums: Any,
+        xxh3: object,
+        /,
+    ) -> ReadOutcome: ...
+
     def sync_and_rename(self, fd: int, src: str, dst: str, /) -> bool: ...
 
     def first_unaligned(

@@ -39,6 +39,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from kvstore.checksum import chunk_sums
 from kvstore.config import StoreConfig
 from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError
 from kvstore.io.align import ALIGN, align_up
@@ -56,7 +57,7 @@ from kvstore.io.fileio import (
 )
 from kvstore.io.fileproto import native_fileproto
 from kvstore.io.newfile import NewFilePlan, plan_new_file
-from kvstore.io.types import DirectIOProbe, Segment
+from kvstore.io.types import DirectIOProbe, Hashing, Segment
 
 log = logging.getLogger("kvstore.io")
 
@@ -187,6 +188,44 @@ class HostEngine:
             return self._write_new_direct(path, segments, file_nbytes)
         return self.fio.write_new(path, _NEW_FILE, self.config.file_mode, segments, file_nbytes)
 
+    def write_new_file_hashed(
+        self, path: str, segments: Sequence[Segment], file_nbytes: int, hashing: Hashing
+    ) -> int:
+        """:meth:`write_new_file` of host segments, the chunks of segments ``hashing.first``
+        to ``hashing.last`` checksummed into ``hashing.sums`` as they are written
+        (:meth:`FileIO.write_new_hashed <kvstore.io.fileio.FileIO.write_new_hashed>`: those
+        segments first, the others after them - a block's header, whose slots the sums may
+        be, after its data). The same file as :meth:`write_new_file` once the sums are in.
+
+        With O_DIRECT the hashed segments go direct from where they lie when every segment
+        can (the in-place case of :meth:`_write_new_direct`); otherwise the sums are computed
+        first and the file written as :meth:`write_new_file` writes it.
+        """
+        if not self.direct.enabled:
+            return self.fio.write_new_hashed(
+                path, _NEW_FILE, self.config.file_mode, segments, file_nbytes, hashing
+            )
+        in_place = _in_place_writes(segments, file_nbytes)
+        if in_place is not None and hashing.last <= in_place[1]:  # hashed ones all direct
+            writes, buffered_from = in_place
+            return self.fio.write_new_hashed(
+                path,
+                _NEW_FILE | O_DIRECT,
+                self.config.file_mode,
+                writes,
+                file_nbytes,
+                hashing,
+                buffered_from,
+            )
+        done = 0
+        for _, data in segments[hashing.first : hashing.last]:
+            count = len(data) // hashing.chunk_nbytes
+            chunk_sums(
+                hashing.algo, data, hashing.chunk_nbytes, count, hashing.sums[done : done + count]
+            )
+            done += count
+        return self._write_new_direct(path, segments, file_nbytes)
+
     def _sync_and_close(self, fd: int, sync: bool) -> None:
         """The end of a whole new file's write: synced when the store is durable and ``sync``,
         then closed (closed even when the sync fails)."""
@@ -307,6 +346,29 @@ class HostEngine:
         return self._read(
             path, segments, file_nbytes, touch_if_older_than_ns, False, direct, after_each
         )
+
+    def read_file_hashed(  # noqa: PLR0913 - read_file's arguments plus the checksums' plan
+        self,
+        path: str,
+        segments: Sequence[Segment],
+        file_nbytes: int,
+        touch_if_older_than_ns: int,
+        hashing: Hashing,
+        *,
+        direct: bool = False,
+    ) -> FileId:
+        """:meth:`read_file` of host segments, the chunks of segments ``hashing.first`` to
+        ``hashing.last`` checksummed into ``hashing.sums`` as they are read, each group while
+        it is in the CPU cache (:meth:`FileIO.read_regular_hashed
+        <kvstore.io.fileio.FileIO.read_regular_hashed>`: one native call for the plain
+        FileIO). The caller compares the sums."""
+        flags = os.O_RDONLY | (O_DIRECT if direct else 0)
+        try:
+            return self.fio.read_regular_hashed(
+                path, flags, segments, file_nbytes, hashing, touch_if_older_than_ns
+            )
+        except FileNotFoundError:
+            raise BlockMissingError(path) from None
 
     def _read(  # noqa: PLR0913 - read_file and read_file_checked, one implementation
         self,

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import resource
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from typing import TypeVar, cast
 import numpy as np
 
 from kvstore.checksum import (
+    XXH3_64,
     checksum_chunks,
     checksum_tensor_rows,
     chunk_sums,
@@ -36,7 +38,8 @@ from kvstore.io.buffers import ThreadStaging, aligned_buffer
 from kvstore.io.engine import AnySegment, Data
 from kvstore.io.entries import FileId, file_id, remove_if_same
 from kvstore.io.fileio import sync_parents
-from kvstore.io.types import Segment
+from kvstore.io.host import HostEngine
+from kvstore.io.types import Hashing, Segment
 from kvstore.keys import check_hash
 from kvstore.store import format as fmt
 from kvstore.store.array import GroupArray, short_hash
@@ -65,6 +68,11 @@ class Written:
 Published = tuple[WriteStatus, str | None, FileId | Written | None]
 
 _ZEROS = memoryview(bytes(fmt.ALIGN))
+# Raw dense blocks of at least this many bytes in host memory are checksummed group by group
+# as they are written (FileIO.write_new_hashed), in groups of _HASH_GROUP_NBYTES: hashing a
+# whole block and then writing it reads a block larger than the CPU cache from memory twice.
+_HASHED_WRITE_MIN_NBYTES = 1 << 20
+_HASH_GROUP_NBYTES = 256 << 10
 # Results without an error message are immutable: one object each for every block.
 _WRITTEN = WriteResult(WriteStatus.WRITTEN)
 _EXISTS = WriteResult(WriteStatus.EXISTS)
@@ -108,6 +116,18 @@ class Publisher:
         index = aligned_buffer(len(array.layout.index_bytes))
         index[:] = np.frombuffer(array.layout.index_bytes, dtype=np.uint8)
         self._index = index.data.toreadonly()
+        # Large raw dense blocks of host memory are hashed as they are written (_write_hashed):
+        # a host engine (any: device data reaches it in host memory), xxh3 (the native
+        # hash of the fused write), little-endian slots written in place.
+        layout = array.layout
+        self._hashed_writes = (
+            layout.dense
+            and array.compressed is None
+            and layout.block_nbytes >= _HASHED_WRITE_MIN_NBYTES
+            and array.checksum_algo == XXH3_64
+            and isinstance(array.engine, HostEngine)
+            and sys.byteorder == "little"
+        )
 
     # -- whole blocks ------------------------------------------------------------------------
 
@@ -171,6 +191,8 @@ class Publisher:
                 f"block data: expected {layout.block_nbytes} bytes, got {nbytes(data)}"
             )
         tmp = temp_path_for(final, new_token())
+        if self._hashed_writes and isinstance(data, memoryview):
+            return self._write_hashed(final, tmp, block_hash, req.parent_hash, data)
         file_nbytes: int | None = None
         if compressed is not None:
             assert isinstance(data, memoryview)
@@ -202,6 +224,56 @@ class Publisher:
         # are always built in host memory).
         on_host = compressed is not None or isinstance(data, memoryview)
         return self._write_segments(final, segments, size, host=on_host, tmp=tmp)
+
+    def _write_hashed(
+        self, final: str, tmp: str, block_hash: bytes, parent: bytes | None, data: memoryview
+    ) -> Written:
+        """The temporary file of a large raw dense block given as host memory, its chunks
+        checksummed into the header's slots group by group as the data is written, the header
+        (its fixed part packed first: its crc does not cover the slots) and the index written
+        after the data (:meth:`HostEngine.write_new_file_hashed`). Same file as the path
+        that hashes the whole block first."""
+        layout = self.array.layout
+        page: tuple[memoryview, np.ndarray] | None = getattr(self._pages, "page", None)
+        header, slots = self._header_page() if page is None else page
+        self._pack_fixed(header, block_hash, parent, time.time_ns())
+        hashing: Hashing | None = getattr(self._pages, "hashing", None)
+        if hashing is None:
+            hashing = self._pages.hashing = Hashing(
+                1, 2, XXH3_64, layout.chunk_nbytes, _HASH_GROUP_NBYTES, slots
+            )
+        segments: list[Segment] = [
+            (0, header),
+            (layout.data_offset, data),
+            (layout.data_end, self._index),
+        ]
+        try:
+            try:
+                fd = self._engine_hashed(tmp, segments, hashing)
+            except FileNotFoundError:
+                self._recreate_fan_out(tmp)
+                fd = self._engine_hashed(tmp, segments, hashing)
+        except BaseException:
+            self.array.remove_quietly(tmp)
+            raise
+        return self._written(tmp, fd)
+
+    def _engine_hashed(self, tmp: str, segments: list[Segment], hashing: Hashing) -> int:
+        engine = self.array.engine
+        assert isinstance(engine, HostEngine)  # _hashed_writes says so
+        return engine.write_new_file_hashed(tmp, segments, self.array.layout.file_nbytes, hashing)
+
+    def _written(self, tmp: str, fd: int) -> Written:
+        """A written temporary file: its descriptor kept when the store is durable, else
+        closed (the file removed if the close fails)."""
+        if not self.array.engine.config.durable:
+            try:
+                self._fio.close(fd)
+            except BaseException:
+                self.array.remove_quietly(tmp)
+                raise
+            return Written(tmp, None)
+        return Written(tmp, fd)
 
     def _piece_segments(
         self, block_hash: bytes, parent: bytes | None, pieces: BlockPieces
@@ -241,14 +313,7 @@ class Publisher:
         except BaseException:
             array.remove_quietly(tmp)
             raise
-        if not array.engine.config.durable:
-            try:
-                self._fio.close(fd)
-            except BaseException:
-                array.remove_quietly(tmp)
-                raise
-            return Written(tmp, None)
-        return Written(tmp, fd)
+        return self._written(tmp, fd)
 
     def _publish(self, staged: Written | BaseException | None) -> Published:
         """Second pass of :meth:`write_blocks`: sync a written temporary file on its open

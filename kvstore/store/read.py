@@ -40,7 +40,7 @@ from kvstore.io.buffers import ThreadStaging, is_aligned
 from kvstore.io.engine import AnySegment, Data
 from kvstore.io.entries import FileId, move_if_same, remove_if_same
 from kvstore.io.host import HostEngine
-from kvstore.io.types import Segment
+from kvstore.io.types import Hashing, Segment
 from kvstore.keys import check_hash, hash_coords
 from kvstore.store import check
 from kvstore.store import format as fmt
@@ -351,43 +351,45 @@ class Reader:
         out: memoryview,
         touch_before: int,
     ) -> None:
-        """A whole block of a large dense array, read and verified piece by piece.
+        """A whole block of a large dense array, read and checksummed piece by piece.
 
         Verifying a block after reading all of it reads its bytes from memory a second time
         once the block is larger than the CPU cache (a 256-token block is 16-80 MiB): the
-        checksums then cost as much as the copy. Here the header is read and checked first,
-        then each piece of about :data:`_PIECE_NBYTES` (whole chunks) is checksummed right
-        after its ``preadv``, while it is in the cache. Same checks, same order of failure
-        (a bad header before any chunk), same errors; a corrupt piece ends the read early.
+        checksums then cost as much as the copy. Here each piece of about
+        :data:`_PIECE_NBYTES` (whole chunks) is checksummed right after its ``preadv``, while
+        it is in the cache, inside the engine's read (one native call for the plain FileIO:
+        :meth:`HostEngine.read_file_hashed`), with the array's algorithm. Then the header is
+        checked, before any chunk (a bad header fails as it always did), and the sums are
+        compared with its slots; a header naming another algorithm gets its chunks
+        checksummed again with that one. Same checks, same errors.
         """
         array = self.array
         layout = array.layout
         size = layout.chunk_nbytes
-        per = max(1, _PIECE_NBYTES // size)
-        firsts = range(0, layout.num_chunks, per)
-        segments: list[Segment] = [(0, header)]
-        for first in firsts:
-            last = min(layout.num_chunks, first + per)
-            segments.append((layout.chunk_offset(first), out[first * size : last * size]))
-        found: list[tuple[int, np.ndarray]] = []  # the header's algorithm and slots
-
-        def verify(i: int) -> None:
-            if i == 0:
-                algo = check.header_algo(header, array.shard, block_hash)
-                check.check_algo(algo)  # an unknown algorithm id is a corrupt block
-                found.append((algo, fmt.decode_checksums(header, layout.num_chunks)))
-                return
-            algo, slots = found[0]
-            first = firsts[i - 1]
-            data = segments[i][1]
-            check.verify_run(algo, slots, first, data, size)
-
-        direct = self._direct_reads and all(
-            offset % fmt.ALIGN == 0 and is_aligned(data) for offset, data in segments
+        data = out[: layout.num_chunks * size]
+        sums = np.empty(layout.num_chunks, dtype=np.uint64)
+        hashing = Hashing(1, 2, array.checksum_algo, size, _PIECE_NBYTES, sums)
+        segments: list[Segment] = [(0, header), (self._data_offset, data)]
+        direct = (
+            self._direct_reads
+            and self._data_offset % fmt.ALIGN == 0
+            and is_aligned(header)
+            and is_aligned(data)
         )
-        engine.read_file_checked(
-            path, segments, layout.file_nbytes, touch_before, verify, direct=direct
+        identity = engine.read_file_hashed(
+            path, segments, layout.file_nbytes, touch_before, hashing, direct=direct
         )
+        try:
+            algo = check.header_algo(header, array.shard, block_hash)
+            check.check_algo(algo)  # an unknown algorithm id is a corrupt block
+            slots = fmt.decode_checksums(header, layout.num_chunks)
+            if algo != hashing.algo or np.count_nonzero(sums != slots):
+                # Another algorithm, or a mismatch: verify_run checksums the chunks with the
+                # header's algorithm and raises, naming the first bad chunk.
+                check.verify_run(algo, slots, 0, data, size)
+        except CorruptBlockError as exc:
+            exc.file_id = identity  # the file found corrupt, whatever the name holds now
+            raise
 
     def _log_host_verify(self, algo: int) -> None:
         engine = self.array.engine

@@ -17,6 +17,7 @@ import xxhash
 from kvstore.checksum import CRC32C, WSUM64, XXH3_64, chunk_sums, crc32c, wsum64
 from kvstore.errors import CorruptBlockError
 from kvstore.io.host import HostEngine
+from kvstore.io.types import Hashing
 from kvstore.store import check
 from kvstore.store import format as fmt
 from kvstore.store import read as read_module
@@ -145,18 +146,22 @@ def read_whole(group: GroupStore, h: bytes) -> tuple[ReadResult, np.ndarray]:
 
 
 def test_pieced_read_serves_the_block(pieced: GroupStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    original = HostEngine.read_file_checked
+    calls: list[tuple[int, Hashing]] = []
+    original = HostEngine.read_file_hashed
 
     def spy(self: HostEngine, path: str, segments: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(len(segments))
+        calls.append((len(segments), args[2]))
         return original(self, path, segments, *args, **kwargs)
 
-    monkeypatch.setattr(HostEngine, "read_file_checked", spy)
+    monkeypatch.setattr(HostEngine, "read_file_hashed", spy)
     h, data = write_one(pieced, 1)
     result, out = read_whole(pieced, h)
     assert result.ok and out.tobytes() == data.tobytes()
-    assert calls == [1 + 3]  # the header, then three pieces of two chunks
+    # The header, then the data hashed in pieces of two chunks; the sums are the header's.
+    ((count, hashing),) = calls
+    assert count == 2 and (hashing.first, hashing.last, hashing.group_nbytes) == (1, 2, 8192)
+    slots = fmt.decode_checksums(Path(pieced.path_of(h)).read_bytes(), 6)
+    assert hashing.sums.tolist() == slots.tolist()
 
 
 @pytest.mark.parametrize("chunk", [0, 3, 5])
@@ -259,7 +264,7 @@ def test_o_direct_reads_are_not_split_into_pieces(
     calls: list[int] = []
     monkeypatch.setattr(
         HostEngine,
-        "read_file_checked",
+        "read_file_hashed",
         lambda *a, **k: calls.append(1),  # never reached
     )
     store = make_store(direct_reads=True)
