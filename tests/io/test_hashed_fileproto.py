@@ -341,3 +341,30 @@ def test_corrupt_block_error_is_raised_with_identity(tmp_path: Path) -> None:
         Reference().read_regular_hashed(str(path), os.O_RDONLY, into, file_nbytes, hashing)
     st = path.stat()
     assert caught.value.file_id == (st.st_dev, st.st_ino)
+
+
+def test_the_hash_function_comes_only_from_the_xxh3_binding(native: FileIO, tmp_path: Path) -> None:
+    """The native calls hash with the capsule kvstore._xxh3batch.function() hands out (the
+    self-tested binding); any other object is refused before a file is created."""
+    import importlib  # noqa: PLC0415 - the C modules, by name as kvstore imports them
+
+    from kvstore.checksum import native_xxh3_capsule  # noqa: PLC0415
+
+    proto: Any = importlib.import_module("kvstore._fileproto")
+    capsule = native_xxh3_capsule()
+    assert "kvstore._xxh3batch.XXH3_64bits" in repr(capsule)
+    segments = [(0, memoryview(bytes(CHUNK)))]
+    sums = np.zeros(1, dtype=np.uint64)
+    path = str(tmp_path / "f")
+    for wrong in (None, object(), sums):
+        with pytest.raises((TypeError, ValueError)):
+            proto.write_new_hashed(
+                path, NEW, 0o600, segments, 1, CHUNK, 0, 1, CHUNK, CHUNK, sums, wrong
+            )
+        assert not os.path.exists(path)
+    os.close(
+        proto.write_new_hashed(
+            path, NEW, 0o600, segments, 1, CHUNK, 0, 1, CHUNK, CHUNK, sums, capsule
+        )
+    )
+    assert sums.tolist() == chunk_sums(XXH3_64, memoryview(bytes(CHUNK)), CHUNK, 1).tolist()
