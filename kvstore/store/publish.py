@@ -72,9 +72,9 @@ _ZEROS = memoryview(bytes(fmt.ALIGN))
 # as they are written (FileIO.write_new_hashed), in groups of _HASH_GROUP_NBYTES: hashing a
 # whole block and then writing it reads a block larger than the CPU cache from memory twice.
 # CPU time of writing 256 MiB of distinct blocks to tmpfs, best of 5, relative to the same
-# writes without checksums (/tmp/s25/h2micro2.py): 32 MiB blocks hashed in 256 KiB groups
-# 0.95-1.0, hash-then-write 0.85-0.89; 1-2 MiB blocks alike either way (0.89-1.1, noise), so
-# the threshold only keeps small blocks' files to one vectored write.
+# writes without checksums (a FileIO-level micro-benchmark, session 25): 32 MiB blocks hashed
+# in 256 KiB groups 0.95-1.0, hash-then-write 0.85-0.89; 1-2 MiB blocks alike either way
+# (0.89-1.1, noise), so the threshold only keeps small blocks' files to one vectored write.
 _HASHED_WRITE_MIN_NBYTES = 1 << 20
 _HASH_GROUP_NBYTES = 256 << 10
 # Results without an error message are immutable: one object each for every block.

@@ -59,7 +59,8 @@ log = logging.getLogger("kvstore")
 # Since the pieces are checksummed inside the native read (FileIO.read_regular_hashed), CPU
 # time of 8 x 32 MiB reads from tmpfs, best of 7, relative to the same reads unhashed: pieces
 # of 256 KiB 0.88-0.99, 512 KiB 0.89-0.98, 1 MiB 0.87-0.95, 64 KiB 0.85-0.89, whole block read
-# then hashed 0.83-0.93 (/tmp/s25/h2rmicro.py, four runs): 256 and 512 KiB alike, 512 kept.
+# then hashed 0.83-0.93 (four runs of a FileIO-level micro-benchmark, session 25): 256 and
+# 512 KiB alike, 512 kept.
 _PIECE_NBYTES = 512 << 10
 
 _HIT = ReadResult(ReadStatus.HIT)
