@@ -223,7 +223,7 @@ typedef struct {
     xxh3_64_fn fn;
     Py_ssize_t first, last;   /* the hashed segments [first, last), each whole chunks */
     Py_ssize_t chunk_nbytes;  /* > 0 */
-    Py_ssize_t group_nbytes;  /* whole chunks, >= chunk_nbytes */
+    Py_ssize_t group_nbytes;  /* whole chunks, at least one */
     uint64_t *sums;           /* one native uint64 per chunk of those segments, in order */
 } hashing;
 
@@ -269,10 +269,10 @@ parse_hashing(hashing *h, PyObject *capsule, Py_ssize_t first, Py_ssize_t last,
                      n, first, last);
         return -1;
     }
-    if (chunk_nbytes <= 0 || group_nbytes < chunk_nbytes) {
+    if (chunk_nbytes <= 0 || group_nbytes <= 0) {
         PyErr_Format(PyExc_ValueError,
-                     "file protocol: expected chunk_nbytes > 0 and group_nbytes >= chunk_nbytes, "
-                     "got %zd and %zd",
+                     "file protocol: expected chunk_nbytes > 0 and group_nbytes > 0, got %zd and "
+                     "%zd",
                      chunk_nbytes, group_nbytes);
         return -1;
     }
@@ -308,7 +308,9 @@ parse_hashing(hashing *h, PyObject *capsule, Py_ssize_t first, Py_ssize_t last,
     h->first = first;
     h->last = last;
     h->chunk_nbytes = chunk_nbytes;
-    h->group_nbytes = group_nbytes - group_nbytes % chunk_nbytes;
+    /* Whole chunks, at least one: a chunk larger than the group is a group of its own. */
+    h->group_nbytes = group_nbytes < chunk_nbytes ? chunk_nbytes
+                                                  : group_nbytes - group_nbytes % chunk_nbytes;
     h->sums = (uint64_t *)sums_view->buf;
     return 0;
 }

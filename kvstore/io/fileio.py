@@ -551,7 +551,8 @@ _GROUP_PARTS = 64
 def _hashed_groups(segments: Sequence[Segment], h: Hashing) -> list[tuple[int, list[memoryview]]]:
     """The groups of a hashed transfer, as kvstore/_fileproto.c's ``hashed_transfer`` cuts
     them: ``(file offset, pieces)``, each a file-contiguous run of whole chunks of at most
-    ``h.group_nbytes`` (rounded down to whole chunks) in at most :data:`_GROUP_PARTS` pieces,
+    ``h.group_nbytes`` (rounded down to whole chunks, at least one) in at most
+    :data:`_GROUP_PARTS` pieces,
     of segments ``[h.first, h.last)``. Raises the extension's ValueError, with its words, for
     bad geometry."""
     n = len(segments)
@@ -561,9 +562,9 @@ def _hashed_groups(segments: Sequence[Segment], h: Hashing) -> list[tuple[int, l
             f"[{h.first}, {h.last})"
         )
     size = h.chunk_nbytes
-    if size <= 0 or h.group_nbytes < size:
+    if size <= 0 or h.group_nbytes <= 0:
         raise ValueError(
-            "file protocol: expected chunk_nbytes > 0 and group_nbytes >= chunk_nbytes, got "
+            "file protocol: expected chunk_nbytes > 0 and group_nbytes > 0, got "
             f"{size} and {h.group_nbytes}"
         )
     views = [memoryview(data).cast("B") for _, data in segments[h.first : h.last]]
@@ -581,7 +582,8 @@ def _hashed_groups(segments: Sequence[Segment], h: Hashing) -> list[tuple[int, l
             f"file protocol: expected sums of at least {chunks} native uint64 values, got "
             f"format '{sums.format}', {sums.nbytes} bytes"
         )
-    group = h.group_nbytes - h.group_nbytes % size
+    # Whole chunks, at least one: a chunk larger than the group is a group of its own.
+    group = size if h.group_nbytes < size else h.group_nbytes - h.group_nbytes % size
     offsets = [offset for offset, _ in segments[h.first : h.last]]
     groups: list[tuple[int, list[memoryview]]] = []
     i, consumed = 0, 0  # the segment being cut, and its bytes already in a group

@@ -27,7 +27,8 @@ class Hashing:
     :meth:`FileIO.read_regular_hashed <kvstore.io.fileio.FileIO.read_regular_hashed>`).
 
     Segments ``[first, last)`` of the call, each a whole number of ``chunk_nbytes`` chunks,
-    are moved in groups of at most ``group_nbytes`` (file-contiguous whole chunks), each
+    are moved in groups of at most ``group_nbytes`` (file-contiguous whole chunks; at least
+    one chunk, however large), each
     group hashed with checksum algorithm ``algo`` just before its write or just after its
     read, while it is in the CPU cache; ``sums`` (uint64, one per chunk of those segments, in
     order) receives the values.

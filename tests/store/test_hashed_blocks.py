@@ -201,3 +201,33 @@ def test_a_write_failing_midway_leaves_no_file(
     left = [name for _, _, files in os.walk(tmp_path) for name in files if "tmp" in name]
     assert left == []
     assert not Path(group.path_of(h)).exists()
+
+
+@pytest.mark.parametrize("fio", list(FIOS))
+def test_chunks_larger_than_a_group(
+    hashed: list[Any],
+    make_store: StoreFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fio: str,
+) -> None:
+    """A chunk larger than the group or piece size (deepseek-v3's 288 KiB chunks against
+    256 KiB groups) is a group of its own: written, read back, its corruption found."""
+    monkeypatch.setattr(publish_module, "_HASH_GROUP_NBYTES", 1000)
+    monkeypatch.setattr(read_module, "_PIECE_NBYTES", 1000)
+    kind = FIOS[fio]
+    group = _group(make_store, tmp_path, kind() if kind else None)
+    h = block_hash(5, "big chunks")
+    data = block_bytes(group.layout, 5)
+    assert group.write_blocks([BlockWrite(h, data)])[0].status is WriteStatus.WRITTEN
+    assert hashed[-1].group_nbytes == 1000
+    out = np.zeros(group.layout.block_nbytes, np.uint8)
+    assert group.read_blocks([BlockRead(h, out)])[0].ok
+    assert out.tobytes() == data.tobytes()
+    path = Path(group.path_of(h))
+    raw = bytearray(path.read_bytes())
+    raw[group.layout.chunk_offset(4)] ^= 0x80
+    path.write_bytes(raw)
+    (result,) = group.read_blocks([BlockRead(h, out)])
+    assert result.status is ReadStatus.CORRUPT
+    assert result.error == "checksum mismatch in inner chunk 4"
