@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvstore.checksum import strided_chunk_sums
+from kvstore.checksum import chunk_sums, strided_chunk_sums
 from kvstore.errors import KvstoreError
 from kvstore.io.types import Segment
 
@@ -41,6 +41,11 @@ class PieceGeometry:
     extent: int
     slices: tuple[slice, ...]
     run_starts: tuple[int, ...]  # starts[::run]: the first piece of each run
+    # Where the pieces tile the span exactly in whole chunks of the geometry's chunk size
+    # (a permutation of the span's chunks: the vLLM tier's rows): ``chunk_order[k]`` is the
+    # span's chunk that is the block's chunk ``k``. None: pieces with gaps or of odd sizes.
+    chunk_order: np.ndarray | None = field(default=None, repr=False)
+    chunk_nbytes: int = 0  # the chunk size chunk_order counts in
     # File offsets of the pieces per data offset (one array's blocks share one): computed once.
     _offsets: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -83,11 +88,24 @@ class BlockPieces:
 
     def chunk_sums(self, algo: int, chunk_nbytes: int) -> np.ndarray:
         """The checksums of the block's inner chunks of ``chunk_nbytes`` bytes, in block
-        order, computed where the pieces lie (:func:`~kvstore.checksum.strided_chunk_sums`:
-        one native call per run of chunks at a constant stride for xxh3_64)."""
+        order, computed where the pieces lie.
+
+        Where the pieces tile their span in whole chunks (:attr:`PieceGeometry.chunk_order`),
+        the span is hashed front to back in one call (:func:`~kvstore.checksum.chunk_sums`)
+        and the sums are put in block order: a sequential pass over memory, which the
+        hardware prefetcher follows, is 2-2.5x cheaper than hashing the same chunks at the
+        pieces' stride (llama-3.1-8b 16-token block, 256 chunks of 8 KiB at a 64 KiB stride:
+        126 vs 288 us cold, 79 vs 208 us from the cache). Otherwise one native call per run
+        of chunks at a constant stride (:func:`~kvstore.checksum.strided_chunk_sums`)."""
         geometry = self.geometry
+        order = geometry.chunk_order
+        if order is not None and chunk_nbytes == geometry.chunk_nbytes:
+            sums: np.ndarray = chunk_sums(algo, self.span, chunk_nbytes, len(order))[order]
+            return sums
         size = geometry.piece_nbytes
-        if size == chunk_nbytes and geometry.run > 1:  # chunks of a run at a constant stride
+        if size == chunk_nbytes and geometry.run > 1 and geometry.run_stride >= size:
+            # chunks of a run at a constant stride (the native batch takes no stride below a
+            # chunk: a stride-0 axis, the same piece repeated, is hashed piece by piece)
             return strided_chunk_sums(
                 algo,
                 self.span,
@@ -158,12 +176,31 @@ def piece_geometry(
         starts = (starts[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
     as_list = tuple(int(s) for s in starts.tolist())
     run = outer[-1] if outer else 1
+    extent = max(as_list) + piece
     return PieceGeometry(
         piece_nbytes=piece,
         starts=as_list,
         run=run,
         run_stride=outer_strides[-1] if outer else 0,
-        extent=max(as_list) + piece,
+        extent=extent,
         slices=tuple(slice(s, s + piece) for s in as_list),
         run_starts=as_list[::run],
+        chunk_order=_chunk_order(starts, piece, extent, chunk_nbytes),
+        chunk_nbytes=chunk_nbytes,
     )
+
+
+def _chunk_order(
+    starts: np.ndarray, piece_nbytes: int, extent: int, chunk_nbytes: int
+) -> np.ndarray | None:
+    """For pieces at ``starts`` (block order) that tile ``[0, extent)`` in whole chunks: the
+    span's chunk index of each of the block's chunks (a permutation); None otherwise (gaps,
+    overlaps, or pieces not on chunk boundaries), and the sums are taken where pieces lie."""
+    if extent != starts.size * piece_nbytes or (starts % chunk_nbytes).any():
+        return None
+    per_piece = piece_nbytes // chunk_nbytes
+    order: np.ndarray = (starts[:, None] // chunk_nbytes + np.arange(per_piece)).reshape(-1)
+    if not np.array_equal(np.sort(order), np.arange(order.size)):
+        return None
+    order.flags.writeable = False  # shared by every block of the geometry
+    return order

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from numpy.lib.stride_tricks import as_strided
 
 from kvstore import Identity, KvstoreError
 from kvstore.checksum import CRC32C, WSUM64, XXH3_64, chunk_sums, strided_chunk_sums
@@ -120,6 +121,34 @@ def test_strided_chunk_sums_match_the_gathered_chunks(algo: int) -> None:
     assert np.array_equal(got, want)
     with pytest.raises(ValueError, match="stride"):
         strided_chunk_sums(algo, data[:20000].data, starts, stride, count, size)
+
+
+@pytest.mark.parametrize("algo", [XXH3_64, CRC32C, WSUM64])
+def test_chunk_sums_of_pieces_that_tile_their_span_are_taken_in_memory_order(algo: int) -> None:
+    """Pieces that tile their span in whole chunks (a transposed row, as the vLLM tier hands
+    over) are hashed front to back and the sums put in block order; pieces with gaps or
+    overlapping pieces keep the per-run sums. Every case gives the gathered block's sums."""
+    rng = np.random.default_rng(5)
+    row = rng.integers(0, 256, 6 * 4 * 64, dtype=np.uint8)
+    size = 64
+    cases = {
+        "transposed": (row.reshape(4, 6, size).transpose(1, 0, 2), True),  # [6][4] of [4][6]
+        "multi-chunk pieces": (row.reshape(2, 3, 4 * size).transpose(1, 0, 2), True),
+        "gapped": (row.reshape(12, 2 * size)[:, :size], False),
+        # stride 0: pieces {0, 0, 192, 192} span 4 chunks but hold only two of them
+        "overlapping": (as_strided(row, shape=(2, 2, size), strides=(3 * size, 0, 1)), False),
+    }
+    for name, (view, in_memory_order) in cases.items():
+        pieces = block_pieces(view, view.nbytes, size)
+        assert pieces is not None, name
+        order = pieces.geometry.chunk_order
+        assert (order is not None) == in_memory_order, name
+        gathered = np.ascontiguousarray(view).reshape(-1)
+        want = chunk_sums(algo, gathered.data, size, gathered.size // size)
+        assert np.array_equal(pieces.chunk_sums(algo, size), want), name
+        if order is not None:  # the order maps each block chunk to its bytes in the span
+            span = np.frombuffer(pieces.span, dtype=np.uint8).reshape(-1, size)
+            assert np.array_equal(span[order].reshape(-1), gathered), name
 
 
 def test_dense_arrays_write_pieces_in_place_others_join(
