@@ -73,6 +73,13 @@ class StridedCopy:
                 f"bytes, got {data.dtype} of shape {data.shape}"
             )
         base = data[start * unit :]
+        if base.flags.c_contiguous:
+            # The common case (a row or a block): the ndarray constructor over the buffer,
+            # ~1 us where as_strided builds an array interface, ~6 us, once per block moved.
+            # Writable exactly when ``data`` is; the bounds were checked above.
+            return np.ndarray(
+                (*self.shape, unit), np.uint8, base, 0, (*(s * unit for s in strides), 1)
+            )
         return as_strided(
             base,
             shape=(*self.shape, unit),

@@ -212,6 +212,26 @@ def test_strided_views_refuse_a_short_buffer() -> None:
         plan.source_view(np.zeros(63, dtype=np.uint8))
 
 
+def test_strided_views_of_contiguous_and_strided_buffers_read_and_write_alike() -> None:
+    """Views over a contiguous buffer (built by the ndarray constructor) and over a strided
+    one (as_strided) enumerate the same units, and are writable exactly when the data is."""
+    layers, heads = 5, 3
+    src = (np.arange(layers)[None, :] * heads + np.arange(heads)[:, None]).reshape(-1)
+    plan = fit_strided(np.arange(src.size), src, UNIT)
+    assert plan is not None
+    data = np.random.default_rng(6).integers(0, 256, src.size * UNIT, dtype=np.uint8)
+    expected = data.reshape(-1, UNIT)[src].reshape(-1)
+    spaced = np.zeros(2 * data.size, dtype=np.uint8)
+    spaced[::2] = data  # the same bytes at a 2-byte stride: not contiguous
+    for given in (data, spaced[::2], np.frombuffer(data.tobytes(), dtype=np.uint8)):
+        view = plan.source_view(given)
+        assert np.array_equal(np.ascontiguousarray(view).reshape(-1), expected)
+        assert view.flags.writeable == given.flags.writeable
+    for out in (np.zeros_like(data), np.zeros(2 * data.size, dtype=np.uint8)[::2]):
+        plan.copy(out, data)  # through a destination view of contiguous / strided memory
+        assert np.array_equal(out, expected)
+
+
 # Layouts whose inner chunks are 4 KiB (head_dim 64): raw dense arrays, where stores write
 # the rows as pieces. Cells hold a rank's share exactly (pad brings _chunk_map's cell to it).
 DENSE = {"heads": 4, "head_dim": 64, "layers": 3}
