@@ -41,6 +41,7 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,7 @@ from kvstore.checksum import XXH3_64, chunk_sums, crc32c
 from kvstore.errors import CorruptBlockError
 from kvstore.io.align import ALIGN
 from kvstore.io.buffers import aligned_buffer, is_aligned
-from kvstore.io.fileio import O_DIRECT
+from kvstore.io.fileio import O_DIRECT, FileIO
 from kvstore.io.rename import AT_FDCWD, RENAME_NOREPLACE, load_renameat2, rename_noreplace
 from kvstore.store import format as fmt
 from kvstore.store.format import ShardLayout
@@ -321,3 +322,108 @@ class ProtocolFloor(RawFloor):
         sums = chunk_sums(XXH3_64, data, layout.chunk_nbytes, layout.num_chunks)
         if not fixed.startswith(sums.tobytes(), fmt.HEADER_FIXED_NBYTES):
             raise CorruptBlockError(f"{path}: inner chunk checksum mismatch")
+
+
+class SyscallFloor:
+    """The system calls alone, per block, one thread, on paths shaped like the store's.
+
+    Two questions the other floors cannot answer on their own: how much of the store's time
+    per small block is the *shape of its paths* (format v1 names a block
+    ``<namespace>/g<group>/c/0/0/0/0/<hi>/<lo>``, a dozen components each open walks, against
+    the raw floor's ``<root>/<hi>/<lo>``), and how much is the *protocol's system calls* with
+    no code around them (no header built, no checksum: zero bytes in their place).
+
+    ``path_of`` gives the store's absolute path of a block and ``store_root`` the store's root;
+    this floor re-roots those paths under ``root`` (creating their directories once, untimed):
+
+    * raw: open ``O_CREAT|O_TRUNC``, ``pwrite``, close; open, ``preadv``, close;
+    * protocol: ``lstat``, then kvstore's own compound operations
+      (:meth:`~kvstore.io.fileio.FileIO.write_new`: open ``O_EXCL``, one vectored write of a
+      header-sized page, the data and the index; ``sync_and_rename``: ``renameat2`` without
+      replacing; close), and ``read_regular`` (open, ``fstat``, one ``preadv``, close). On the
+      plain :class:`~kvstore.io.fileio.FileIO` each is one native call, so the Python left is
+      one loop step per block.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        store_root: Path,
+        path_of: Callable[[bytes], str],
+        layout: ShardLayout,
+    ) -> None:
+        if not layout.dense:
+            raise ValueError("syscall floor: expected a dense layout (chunks back to back)")
+        self.root = root
+        self.layout = layout
+        self._store_root = str(store_root)
+        self._path_of = path_of
+        self._fio = FileIO()
+        self._header = memoryview(bytearray(layout.header_nbytes))
+        self._index = memoryview(layout.index_bytes)
+        self._counter = itertools.count()
+
+    def _paths(self, work: Workload, kind: str) -> list[str]:
+        """Each block's store path re-rooted under ``root/kind`` (directories made here)."""
+        out = []
+        for block_hash in work.hashes:
+            store_path = self._path_of(block_hash)
+            if not store_path.startswith(self._store_root + os.sep):
+                raise ValueError(f"{store_path}: expected a path under {self._store_root}")
+            path = f"{self.root}/{kind}{store_path[len(self._store_root) :]}"
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            out.append(path)
+        return out
+
+    def raw_write(self, work: Workload) -> tuple[float, list[str]]:
+        """Seconds to write every block raw on store-shaped paths, and the paths."""
+        paths = self._paths(work, f"raw{next(self._counter)}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _OPEN
+        start = time.perf_counter()
+        for i, path in enumerate(paths):
+            fd = os.open(path, flags, 0o600)
+            try:
+                os.pwrite(fd, work.data(i).data, 0)
+            finally:
+                os.close(fd)
+        return time.perf_counter() - start, paths
+
+    def raw_read(self, paths: list[str], outs: list[np.ndarray]) -> float:
+        start = time.perf_counter()
+        for i, path in enumerate(paths):
+            fd = os.open(path, os.O_RDONLY | _OPEN)
+            try:
+                os.preadv(fd, [outs[i % len(outs)].data], 0)
+            finally:
+                os.close(fd)
+        return time.perf_counter() - start
+
+    def protocol_write(self, work: Workload) -> tuple[float, list[str]]:
+        """Seconds to publish every block with the protocol's calls alone, and the paths."""
+        layout, fio = self.layout, self._fio
+        paths = self._paths(work, f"protocol{next(self._counter)}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        header, index = self._header, self._index
+        offset, end, size = layout.data_offset, layout.data_end, layout.file_nbytes
+        start = time.perf_counter()
+        for i, final in enumerate(paths):
+            if stored(final):
+                continue
+            directory, _, name = final.rpartition("/")
+            tmp = f"{directory}/.{name}.tmp-{i}"
+            data = work.data(i).data
+            fd = fio.write_new(tmp, flags, 0o600, [(0, header), (offset, data), (end, index)], size)
+            try:
+                fio.sync_and_rename(None, tmp, final)
+            finally:
+                fio.close(fd)
+        return time.perf_counter() - start, paths
+
+    def protocol_read(self, paths: list[str], outs: list[np.ndarray]) -> float:
+        layout, fio, header = self.layout, self._fio, self._header
+        offset, size = layout.data_offset, layout.file_nbytes
+        flags = os.O_RDONLY
+        start = time.perf_counter()
+        for i, path in enumerate(paths):
+            fio.read_regular(path, flags, [(0, header), (offset, outs[i % len(outs)].data)], size)
+        return time.perf_counter() - start

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.bench.common import RawFloor, make_workload
-from kvstore.bench.floor import ProtocolFloor
+from kvstore.bench.floor import ProtocolFloor, SyscallFloor
 from kvstore.bench.lookup import tiny_identity
 from kvstore.bench.systems import KvstoreSystem
 
@@ -30,11 +30,16 @@ def run(blocks: int) -> dict[str, Any]:
         layout = store.group.layout
         raw = RawFloor(scratch / "raw", 1, durable=False)
         floor = ProtocolFloor(scratch / "floor", layout, identity.digest, 1, durable=False)
+        calls = SyscallFloor(
+            scratch / "syscalls", store.store.config.root, store.group.path_of, layout
+        )
         try:
             work = make_workload(layout, blocks, seed=11, tag="overhead")
             outs = work.outs
             sw, rw, fw = store.write(work), raw.write(work), floor.write(work)
+            (dw, deep), (pw, published) = calls.raw_write(work), calls.protocol_write(work)
             sr, rr, fr = store.read(work, outs), raw.read(work, outs), floor.read(work, outs)
+            dr, pr = calls.raw_read(deep, outs), calls.protocol_read(published, outs)
         finally:
             store.close()
             raw.close()
@@ -42,19 +47,23 @@ def run(blocks: int) -> dict[str, Any]:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    def per_block(store_s: float, raw_s: float, floor_s: float) -> dict[str, float]:
+    def per_block(
+        store_s: float, raw_s: float, floor_s: float, deep_s: float, calls_s: float
+    ) -> dict[str, float]:
         return {
             "store": round(store_s / blocks * 1e6, 1),
             "raw": round(raw_s / blocks * 1e6, 1),
             "overhead": round((store_s - raw_s) / blocks * 1e6, 1),
             "floor": round(floor_s / blocks * 1e6, 1),  # the protocol floor
+            "raw_store_paths": round(deep_s / blocks * 1e6, 1),  # raw, on the store's paths
+            "syscalls": round(calls_s / blocks * 1e6, 1),  # the protocol's calls alone
         }
 
     return {
         "blocks": blocks,
         "block_bytes": work.block_nbytes,
-        "write_us_per_block": per_block(sw, rw, fw),
-        "read_us_per_block": per_block(sr, rr, fr),
+        "write_us_per_block": per_block(sw, rw, fw, dw, pw),
+        "read_us_per_block": per_block(sr, rr, fr, dr, pr),
     }
 
 
@@ -83,7 +92,24 @@ def versus_baseline(result: dict[str, Any]) -> str:
                 f"({now['store']} / {now['floor']} µs; floor / raw {now['floor'] / now['raw']:.1f}x)"
             )
     text = "per-block time, store / raw: " + "; ".join(parts)
-    return text + ("; store / protocol floor: " + "; ".join(floors) if floors else "")
+    text += ("; store / protocol floor: " + "; ".join(floors)) if floors else ""
+    calls = [_syscall_steps(phase, result[f"{phase}_us_per_block"]) for phase in ("write", "read")]
+    if all(calls):
+        text += "; system calls alone: " + "; ".join(calls)
+    return text
+
+
+def _syscall_steps(phase: str, now: dict[str, float]) -> str:
+    """Where a block's time goes, as multiples of the raw floor: raw on the store's
+    (format v1) paths, the protocol's system calls alone there, the store itself."""
+    if not now.get("syscalls") or not now.get("raw_store_paths"):
+        return ""
+    raw = now["raw"]
+    return (
+        f"{phase}: raw on the store's paths {now['raw_store_paths'] / raw:.1f}x raw, "
+        f"the protocol's calls there {now['syscalls'] / raw:.1f}x "
+        f"({now['syscalls']} µs), store {now['store'] / now['syscalls']:.2f}x those calls"
+    )
 
 
 def table(result: dict[str, Any]) -> str:
@@ -99,23 +125,42 @@ def table(result: dict[str, Any]) -> str:
             f"{w['store'] / w['floor']:.2f}x), read {r['floor']} us (store / floor "
             f"{r['store'] / r['floor']:.2f}x)"
         )
+    if w.get("syscalls") and r.get("syscalls"):
+        text += (
+            f"; on the store's paths: raw write {w['raw_store_paths']} us, read "
+            f"{r['raw_store_paths']} us; the protocol's system calls alone: write "
+            f"{w['syscalls']} us, read {r['syscalls']} us"
+        )
     return text
 
 
 def markdown(result: dict[str, Any]) -> list[str]:
     w, r = result["write_us_per_block"], result["read_us_per_block"]
-    return [
-        f"{result['blocks']} blocks of {result['block_bytes']} bytes on tmpfs, one thread, no "
-        "fsync, so that I/O time nearly vanishes; store time minus raw time per block:",
-        "",
-        f"* write: store {w['store']} µs, raw {w['raw']} µs, **overhead {w['overhead']} µs**",
-        f"* read: store {r['store']} µs, raw {r['raw']} µs, **overhead {r['overhead']} µs**",
-    ] + (
+    return (
         [
-            f"* protocol floor (the system calls and checksums the protocol requires, leanest "
-            f"Python): write {w['floor']} µs, read {r['floor']} µs; store / floor: write "
-            f"**{w['store'] / w['floor']:.2f}x**, read **{r['store'] / r['floor']:.2f}x**",
+            f"{result['blocks']} blocks of {result['block_bytes']} bytes on tmpfs, one thread, no "
+            "fsync, so that I/O time nearly vanishes; store time minus raw time per block:",
+            "",
+            f"* write: store {w['store']} µs, raw {w['raw']} µs, **overhead {w['overhead']} µs**",
+            f"* read: store {r['store']} µs, raw {r['raw']} µs, **overhead {r['overhead']} µs**",
         ]
-        if w.get("floor") and r.get("floor")
-        else []
+        + (
+            [
+                f"* protocol floor (the system calls and checksums the protocol requires, leanest "
+                f"Python): write {w['floor']} µs, read {r['floor']} µs; store / floor: write "
+                f"**{w['store'] / w['floor']:.2f}x**, read **{r['store'] / r['floor']:.2f}x**",
+            ]
+            if w.get("floor") and r.get("floor")
+            else []
+        )
+        + (
+            [
+                f"* on the store's own paths (format v1: a dozen components per name): raw write "
+                f"{w['raw_store_paths']} µs, read {r['raw_store_paths']} µs; the protocol's system "
+                f"calls alone (no header, no checksum; one native call per step): write "
+                f"**{w['syscalls']} µs**, read **{r['syscalls']} µs**",
+            ]
+            if w.get("syscalls") and r.get("syscalls")
+            else []
+        )
     )

@@ -11,8 +11,9 @@ import pytest
 
 from kvstore.bench import floor as floor_module
 from kvstore.bench.common import Workload, make_workload
-from kvstore.bench.floor import ProtocolFloor
-from kvstore.bench.systems import FloorSystem, make_system
+from kvstore.bench.floor import ProtocolFloor, SyscallFloor
+from kvstore.bench.lookup import tiny_identity
+from kvstore.bench.systems import FloorSystem, KvstoreSystem, make_system
 from kvstore.errors import CorruptBlockError
 from kvstore.io.host import probe_direct_io
 from kvstore.models import load_model
@@ -156,3 +157,61 @@ def test_a_block_read_under_another_key_fails(tmp_path: Path) -> None:
             floor._read_one((work.hashes[1], out))
     finally:
         floor.close()
+
+
+# -- the syscall floor: the protocol's system calls alone, on the store's paths ------------------
+
+
+def syscall_floor_for(tmp_path: Path) -> tuple[SyscallFloor, Workload, KvstoreSystem]:
+    store = KvstoreSystem(tmp_path / "store", tiny_identity(), 1, "none", "none", "off")
+    layout = store.group.layout
+    calls = SyscallFloor(tmp_path / "calls", store.store.config.root, store.group.path_of, layout)
+    return calls, make_workload(layout, 5, seed=5, tag="calls", batch=5), store
+
+
+def test_syscall_floor_runs_on_paths_shaped_like_the_stores(tmp_path: Path) -> None:
+    calls, work, store = syscall_floor_for(tmp_path)
+    try:
+        root = str(store.store.config.root)
+        _, raw_paths = calls.raw_write(work)
+        _, published = calls.protocol_write(work)
+        for i, block_hash in enumerate(work.hashes):
+            shape = store.group.path_of(block_hash)[len(root) :]  # /<namespace>/g0/c/.../<lo>
+            assert raw_paths[i].endswith(shape) and published[i].endswith(shape)
+            assert Path(raw_paths[i]).read_bytes() == work.data(i).tobytes()
+            file = Path(published[i]).read_bytes()
+            layout = calls.layout
+            assert len(file) == layout.file_nbytes  # header page, data and index, as a block
+            assert file[layout.data_offset : layout.data_end] == work.data(i).tobytes()
+            assert file[layout.data_end :] == layout.index_bytes
+        # published by rename: no temporary file is left beside the blocks
+        assert not [p for p in (tmp_path / "calls").rglob(".*") if p.is_file()]
+    finally:
+        store.close()
+
+
+def test_syscall_floor_reads_back_what_it_wrote_and_checks_the_size(tmp_path: Path) -> None:
+    calls, work, store = syscall_floor_for(tmp_path)
+    try:
+        _, raw_paths = calls.raw_write(work)
+        _, published = calls.protocol_write(work)
+        for paths, read in ((raw_paths, calls.raw_read), (published, calls.protocol_read)):
+            outs = [np.zeros(work.block_nbytes, dtype=np.uint8) for _ in range(len(paths))]
+            read(paths, outs)
+            for i, out in enumerate(outs):
+                assert out.tobytes() == work.data(i).tobytes()
+        # the protocol's read is kvstore's read_regular: a short file is refused, not read
+        os.truncate(published[2], calls.layout.file_nbytes - 1)
+        outs = [np.zeros(work.block_nbytes, dtype=np.uint8) for _ in range(len(published))]
+        with pytest.raises(CorruptBlockError):
+            calls.protocol_read(published, outs)
+    finally:
+        store.close()
+
+
+def test_syscall_floor_refuses_a_padded_layout(tmp_path: Path) -> None:
+    identity = load_model("deepseek-v3").identity(16)
+    layout = ShardLayout.for_group(identity.groups[0], 16, identity.dtype.itemsize)
+    assert not layout.dense
+    with pytest.raises(ValueError, match="expected a dense layout"):
+        SyscallFloor(tmp_path, tmp_path, str, layout)

@@ -75,6 +75,15 @@ def test_overhead_versus_baseline() -> None:
     assert "write 3.0x raw (30.0 / 10.0 µs)" in text
     assert "write 1.5x protocol floor (30.0 / 20.0 µs; floor / raw 2.0x)" in text
     assert "read 1.4x protocol floor (14.0 / 10.0 µs; floor / raw 1.4x)" in text
+    assert "system calls alone" not in text  # not measured: not printed
+    result["write_us_per_block"] |= {"raw_store_paths": 12.0, "syscalls": 25.0}
+    result["read_us_per_block"] |= {"raw_store_paths": 7.7, "syscalls": 10.5}
+    text = overhead.versus_baseline(result)
+    assert (
+        "write: raw on the store's paths 1.2x raw, the protocol's calls there 2.5x (25.0 µs), "
+        "store 1.20x those calls" in text
+    )
+    assert "read: raw on the store's paths 1.1x raw, the protocol's calls there 1.5x" in text
 
 
 def test_the_fast_storage_section_survives_a_rewrite_of_the_page() -> None:
