@@ -195,8 +195,13 @@ def _chunk_order(
 ) -> np.ndarray | None:
     """For pieces at ``starts`` (block order) that tile ``[0, extent)`` in whole chunks: the
     span's chunk index of each of the block's chunks (a permutation); None otherwise (gaps,
-    overlaps, or pieces not on chunk boundaries), and the sums are taken where pieces lie."""
-    if extent != starts.size * piece_nbytes or (starts % chunk_nbytes).any():
+    overlaps, or pieces not whole chunks on chunk boundaries), and the sums are taken where
+    pieces lie."""
+    if (
+        piece_nbytes % chunk_nbytes
+        or extent != starts.size * piece_nbytes
+        or (starts % chunk_nbytes).any()
+    ):
         return None
     per_piece = piece_nbytes // chunk_nbytes
     order: np.ndarray = (starts[:, None] // chunk_nbytes + np.arange(per_piece)).reshape(-1)

@@ -13,7 +13,7 @@ from numpy.lib.stride_tricks import as_strided
 from kvstore import Identity, KvstoreError
 from kvstore.checksum import CRC32C, WSUM64, XXH3_64, chunk_sums, strided_chunk_sums
 from kvstore.store.format import ShardLayout
-from kvstore.store.pieces import block_pieces
+from kvstore.store.pieces import _chunk_order, block_pieces
 from kvstore.store.publish import Publisher
 from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus
 from tests.helpers import StoreFactory, block_bytes, block_hash, shard_files
@@ -261,3 +261,12 @@ def test_corrupt_chunk_read_into_a_strided_view_is_a_quarantined_miss(
     assert not Path(group.path_of(hashes[0])).exists()  # quarantined: never served again
     (again,) = group.read_blocks([BlockRead(hashes[0], views[0])])
     assert again.status is ReadStatus.MISS
+
+
+def test_chunk_order_only_for_pieces_of_whole_chunks() -> None:
+    """A piece shorter than a chunk never yields an order, even where its starts fall on chunk
+    boundaries and the pieces tile their span (an order of no chunks would give no sums)."""
+    assert _chunk_order(np.array([0]), 32, 32, 64) is None
+    assert _chunk_order(np.array([0, 96]), 96, 192, 64) is None  # 1.5 chunks per piece
+    order = _chunk_order(np.array([128, 0]), 128, 256, 64)
+    assert order is not None and order.tolist() == [2, 3, 0, 1]
