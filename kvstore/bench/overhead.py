@@ -11,7 +11,9 @@ protocol, floor / raw what the protocol adds to plain I/O.
 from __future__ import annotations
 
 import shutil
+import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,51 +22,97 @@ from kvstore.bench.floor import ProtocolFloor, SyscallFloor
 from kvstore.bench.lookup import tiny_identity
 from kvstore.bench.systems import KvstoreSystem
 
+# Rounds per run: each round measures every system on fresh directories, in an order rotated
+# from round to round, and each figure is the median over the rounds. One round of 4,000 tiny
+# blocks lasts a fraction of a second per system, so on a shared 2-core VM a single round can
+# land entirely in another process's burst (single runs moved by up to 50 %).
+ROUNDS = 3
 
-def run(blocks: int) -> dict[str, Any]:
+
+def run(blocks: int, rounds: int = ROUNDS) -> dict[str, Any]:
+    """Per-block time of the store and its floors on tmpfs: medians over ``rounds`` rounds."""
+    if rounds < 1:
+        raise ValueError(f"overhead rounds: expected at least 1, got {rounds}")
     shm = Path("/dev/shm")  # noqa: S108 - tmpfs, so that I/O time vanishes
-    scratch = Path(tempfile.mkdtemp(dir=shm if shm.is_dir() else None))
-    try:
-        identity = tiny_identity()
-        store = KvstoreSystem(scratch / "store", identity, 1, "none", "none", "off")
-        layout = store.group.layout
-        raw = RawFloor(scratch / "raw", 1, durable=False)
-        floor = ProtocolFloor(scratch / "floor", layout, identity.digest, 1, durable=False)
-        calls = SyscallFloor(
-            scratch / "syscalls", store.store.config.root, store.group.path_of, layout
-        )
+    samples: dict[str, list[float]] = {}
+    block_bytes = 0
+    for r in range(rounds):
+        scratch = Path(tempfile.mkdtemp(dir=shm if shm.is_dir() else None))
         try:
-            work = make_workload(layout, blocks, seed=11, tag="overhead")
-            outs = work.outs
-            sw, rw, fw = store.write(work), raw.write(work), floor.write(work)
-            (dw, deep), (pw, published) = calls.raw_write(work), calls.protocol_write(work)
-            sr, rr, fr = store.read(work, outs), raw.read(work, outs), floor.read(work, outs)
-            dr, pr = calls.raw_read(deep, outs), calls.protocol_read(published, outs)
+            timings, block_bytes = _one_round(scratch, blocks, r)
         finally:
-            store.close()
-            raw.close()
-            floor.close()
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
+        for name, seconds in timings:
+            samples.setdefault(name, []).append(seconds)
 
-    def per_block(
-        store_s: float, raw_s: float, floor_s: float, deep_s: float, calls_s: float
-    ) -> dict[str, float]:
+    def us(name: str) -> float:
+        return statistics.median(samples[name]) / blocks * 1e6
+
+    def per_block(phase: str) -> dict[str, float]:
         return {
-            "store": round(store_s / blocks * 1e6, 1),
-            "raw": round(raw_s / blocks * 1e6, 1),
-            "overhead": round((store_s - raw_s) / blocks * 1e6, 1),
-            "floor": round(floor_s / blocks * 1e6, 1),  # the protocol floor
-            "raw_store_paths": round(deep_s / blocks * 1e6, 1),  # raw, on the store's paths
-            "syscalls": round(calls_s / blocks * 1e6, 1),  # the protocol's calls alone
+            "store": round(us(f"store {phase}"), 1),
+            "raw": round(us(f"raw {phase}"), 1),
+            "overhead": round(us(f"store {phase}") - us(f"raw {phase}"), 1),
+            "floor": round(us(f"floor {phase}"), 1),  # the protocol floor
+            "raw_store_paths": round(us(f"deep {phase}"), 1),  # raw, on the store's paths
+            "syscalls": round(us(f"calls {phase}"), 1),  # the protocol's calls alone
         }
 
     return {
         "blocks": blocks,
-        "block_bytes": work.block_nbytes,
-        "write_us_per_block": per_block(sw, rw, fw, dw, pw),
-        "read_us_per_block": per_block(sr, rr, fr, dr, pr),
+        "rounds": rounds,
+        "block_bytes": block_bytes,
+        "write_us_per_block": per_block("write"),
+        "read_us_per_block": per_block("read"),
     }
+
+
+def _one_round(scratch: Path, blocks: int, turn: int) -> tuple[list[tuple[str, float]], int]:
+    """Seconds of every system's write, then every system's read, of ``blocks`` tiny blocks
+    under ``scratch`` (the systems' order rotated by ``turn``), and the block size."""
+    identity = tiny_identity()
+    store = KvstoreSystem(scratch / "store", identity, 1, "none", "none", "off")
+    layout = store.group.layout
+    raw = RawFloor(scratch / "raw", 1, durable=False)
+    floor = ProtocolFloor(scratch / "floor", layout, identity.digest, 1, durable=False)
+    calls = SyscallFloor(scratch / "syscalls", store.store.config.root, store.group.path_of, layout)
+    try:
+        work = make_workload(layout, blocks, seed=11, tag=f"overhead-{turn}")
+        outs = work.outs
+        written: dict[str, list[str]] = {}
+
+        def deep_write() -> float:
+            seconds, written["deep"] = calls.raw_write(work)
+            return seconds
+
+        def calls_write() -> float:
+            seconds, written["calls"] = calls.protocol_write(work)
+            return seconds
+
+        writes: list[tuple[str, Callable[[], float]]] = [
+            ("store", lambda: store.write(work)),
+            ("raw", lambda: raw.write(work)),
+            ("floor", lambda: floor.write(work)),
+            ("deep", deep_write),
+            ("calls", calls_write),
+        ]
+        reads: list[tuple[str, Callable[[], float]]] = [
+            ("store", lambda: store.read(work, outs)),
+            ("raw", lambda: raw.read(work, outs)),
+            ("floor", lambda: floor.read(work, outs)),
+            ("deep", lambda: calls.raw_read(written["deep"], outs)),
+            ("calls", lambda: calls.protocol_read(written["calls"], outs)),
+        ]
+        shift = turn % len(writes)
+        out = []
+        for phase, systems in (("write", writes), ("read", reads)):
+            for name, measure in systems[shift:] + systems[:shift]:
+                out.append((f"{name} {phase}", measure()))
+        return out, work.block_nbytes
+    finally:
+        store.close()
+        raw.close()
+        floor.close()
 
 
 # (store, raw) µs per block at e141e29 (before issue 17's fast path), from the second of the
@@ -115,7 +163,8 @@ def _syscall_steps(phase: str, now: dict[str, float]) -> str:
 def table(result: dict[str, Any]) -> str:
     w, r = result["write_us_per_block"], result["read_us_per_block"]
     text = (
-        f"python overhead per block (tmpfs, {result['block_bytes']} B blocks): write "
+        f"python overhead per block (tmpfs, {result['block_bytes']} B blocks, median of "
+        f"{result.get('rounds', 1)} rounds): write "
         f"{w['overhead']} us (store {w['store']}, raw {w['raw']}), read {r['overhead']} us "
         f"(store {r['store']}, raw {r['raw']})"
     )

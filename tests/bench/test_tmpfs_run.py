@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvstore.bench import TMPFS_ROOT, overhead, parse_args, report, throughput
 from kvstore.models import model_names
 
@@ -105,3 +107,15 @@ def test_cpu_ab_measures_both_phases(tmp_path: Path) -> None:
     old = throughput.TMPFS_BASELINE_CPU[("gemma-3-1b", 16)]
     assert lines[2].startswith(f"| gemma-3-1b | 16 | {old[0]:.2f} -> **")
     assert {(m, t) for m in model_names() for t in (16, 256)} <= set(throughput.TMPFS_BASELINE_CPU)
+
+
+def test_overhead_takes_the_median_of_rounds_with_every_system_in_each() -> None:
+    result = overhead.run(20, rounds=2)
+    assert result["rounds"] == 2 and result["blocks"] == 20
+    for phase in ("write", "read"):
+        figures = result[f"{phase}_us_per_block"]
+        assert set(figures) == {"store", "raw", "overhead", "floor", "raw_store_paths", "syscalls"}
+        assert all(figures[k] > 0 for k in figures if k != "overhead")
+    assert "median of 2 rounds" in overhead.table(result)
+    with pytest.raises(ValueError, match="at least 1"):
+        overhead.run(20, rounds=0)
