@@ -43,7 +43,7 @@ import fcntl
 import os
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -395,17 +395,37 @@ class FileIO:
                     raise
                 raise refused from None
             return _native_read(path, outcome, file_nbytes, allow_trailer)
+
+        def read(fd: int) -> None:
+            for offset, buffers in coalesce(segments):
+                read_run(self, fd, buffers, offset)
+
+        return self._read_regular_with(
+            path, flags, file_nbytes, allow_trailer, touch_if_older_than_ns, read
+        )
+
+    def _read_regular_with(  # noqa: PLR0913 - read_regular's arguments, the read itself apart
+        self,
+        path: str,
+        flags: int,
+        file_nbytes: int,
+        allow_trailer: bool,
+        touch_if_older_than_ns: int,
+        read: Callable[[int], None],
+    ) -> FileId:
+        """The Python reference of the compound reads: open the regular file, check its size,
+        ``read(fd)``, touch an old mtime, close; a :class:`CorruptBlockError` carries the
+        identity of the file found corrupt, whatever the name holds by then."""
         fd, st = self.open_regular(path, flags)
         try:
             check_size(st.st_size, file_nbytes, allow_trailer)
-            for offset, buffers in coalesce(segments):
-                read_run(self, fd, buffers, offset)
+            read(fd)
             if st.st_mtime_ns < touch_if_older_than_ns:
                 # A read-only mount or foreign owner: last-use tracking is best effort.
                 with contextlib.suppress(OSError):
                     self.touch(fd)
         except CorruptBlockError as exc:
-            exc.file_id = file_id(st)  # the file found corrupt, whatever the name holds now
+            exc.file_id = file_id(st)
             raise
         finally:
             self.close(fd)
@@ -446,9 +466,8 @@ class FileIO:
                 raise refused from None
             return _native_read(path, outcome, file_nbytes, False)
         groups = _hashed_groups(segments, h)
-        fd, st = self.open_regular(path, flags)
-        try:
-            check_size(st.st_size, file_nbytes, False)
+
+        def read(fd: int) -> None:
             for offset, buffers in coalesce(segments[: h.first]):
                 read_run(self, fd, buffers, offset)
             done = 0
@@ -457,16 +476,10 @@ class FileIO:
                 done = _hash_parts(h, parts, done)
             for offset, buffers in coalesce(segments[h.last :]):
                 read_run(self, fd, buffers, offset)
-            if st.st_mtime_ns < touch_if_older_than_ns:
-                # A read-only mount or foreign owner: last-use tracking is best effort.
-                with contextlib.suppress(OSError):
-                    self.touch(fd)
-        except CorruptBlockError as exc:
-            exc.file_id = file_id(st)  # the file found corrupt, whatever the name holds now
-            raise
-        finally:
-            self.close(fd)
-        return file_id(st)
+
+        return self._read_regular_with(
+            path, flags, file_nbytes, False, touch_if_older_than_ns, read
+        )
 
     def sync_and_rename(self, fd: int | None, tmp: str, final: str) -> None:
         """Publish a written temporary file: ``fdatasync`` it on ``fd`` (None: not synced,
