@@ -41,18 +41,16 @@ import numpy as np
 
 from kvstore.checksum import chunk_sums
 from kvstore.config import StoreConfig
-from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError
+from kvstore.errors import BlockMissingError, ConfigError
 from kvstore.io.align import ALIGN, align_up
 from kvstore.io.buffers import ThreadStaging, address_of, aligned_buffer, is_aligned
-from kvstore.io.entries import FileId, file_id
+from kvstore.io.entries import FileId
 from kvstore.io.fileio import (
     DEFAULT_FILEIO,
     O_DIRECT,
     FileIO,
-    check_size,
     coalesce,
     filesystem_type,
-    read_run,
     write_fully,
 )
 from kvstore.io.fileproto import native_fileproto
@@ -329,24 +327,6 @@ class HostEngine:
             path, segments, file_nbytes, touch_if_older_than_ns, allow_trailer, direct
         )
 
-    def read_file_checked(  # noqa: PLR0913 - read_file's arguments plus the callback
-        self,
-        path: str,
-        segments: Sequence[Segment],
-        file_nbytes: int,
-        touch_if_older_than_ns: int,
-        after_each: Callable[[int], None],
-        *,
-        direct: bool = False,
-    ) -> FileId:
-        """:meth:`read_file` of host segments, each read on its own in the order given, with
-        ``after_each(i)`` run once segment ``i`` is in memory: a reader verifies a piece of a
-        large block while it is still in the CPU cache. What ``after_each`` raises ends the
-        read (a :class:`CorruptBlockError` then carries the file's identity)."""
-        return self._read(
-            path, segments, file_nbytes, touch_if_older_than_ns, False, direct, after_each
-        )
-
     def read_file_hashed(  # noqa: PLR0913 - read_file's arguments plus the checksums' plan
         self,
         path: str,
@@ -370,7 +350,7 @@ class HostEngine:
         except FileNotFoundError:
             raise BlockMissingError(path) from None
 
-    def _read(  # noqa: PLR0913 - read_file and read_file_checked, one implementation
+    def _read(  # noqa: PLR0913 - read_file's arguments, as FileIO.read_regular takes them
         self,
         path: str,
         segments: Sequence[Segment],
@@ -378,36 +358,14 @@ class HostEngine:
         touch_if_older_than_ns: int,
         allow_trailer: bool,
         direct: bool,
-        after_each: Callable[[int], None] | None = None,
     ) -> FileId:
         flags = os.O_RDONLY | (O_DIRECT if direct else 0)
-        if after_each is None:  # the whole protocol in one call (one native call: FileIO)
-            try:
-                return self.fio.read_regular(
-                    path, flags, segments, file_nbytes, allow_trailer, touch_if_older_than_ns
-                )
-            except FileNotFoundError:
-                raise BlockMissingError(path) from None
-        try:
-            fd, st = self.fio.open_regular(path, flags)
+        try:  # the whole protocol in one call (one native call for the plain FileIO)
+            return self.fio.read_regular(
+                path, flags, segments, file_nbytes, allow_trailer, touch_if_older_than_ns
+            )
         except FileNotFoundError:
             raise BlockMissingError(path) from None
-        try:
-            # try/except rather than corrupt_file_is(): no generator context per block read.
-            check_size(st.st_size, file_nbytes, allow_trailer)
-            for i, (offset, data) in enumerate(segments):
-                read_run(self.fio, fd, [data], offset)
-                after_each(i)
-            if st.st_mtime_ns < touch_if_older_than_ns:
-                # A read-only mount or foreign owner: last-use tracking is best effort.
-                with contextlib.suppress(OSError):
-                    self.fio.touch(fd)
-        except CorruptBlockError as exc:
-            exc.file_id = file_id(st)  # the file found corrupt, whatever the name holds now
-            raise
-        finally:
-            self.fio.close(fd)
-        return file_id(st)
 
     def close(self) -> None:
         if not self._closed:

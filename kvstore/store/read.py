@@ -85,7 +85,7 @@ class Reader:
         self._local = threading.local()
         self._pad_sink = ThreadStaging()  # where padded layouts' padding is read to (unused)
         # Large whole blocks are verified piece by piece as they are read (_read_in_pieces):
-        # needs the host engine's read_file_checked (the host engine itself: a device engine
+        # needs the host engine's read_file_hashed (the host engine itself: a device engine
         # has paths of its own for host memory too) and verification on. Not with O_DIRECT
         # reads: their bytes arrive by DMA, not through the CPU cache, and one large request
         # keeps the device busier than a row of 512 KiB ones issued one after another.

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstore.checksum import XXH3_64
 from kvstore.config import StoreConfig
 from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError
 from kvstore.identity import Identity
@@ -21,7 +22,7 @@ from kvstore.io.buffers import aligned_buffer, is_aligned
 from kvstore.io.fileio import O_DIRECT, FileIO, filesystem_type
 from kvstore.io.host import HostEngine, probe_direct_io
 from kvstore.io.newfile import plan_new_file
-from kvstore.io.types import DirectIOProbe
+from kvstore.io.types import DirectIOProbe, Hashing
 from kvstore.store.format import ShardLayout
 from kvstore.store.paths import TMP_MARK
 from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus
@@ -290,9 +291,9 @@ def test_short_read_is_corrupt(tmp_path: Path) -> None:
 
 
 def test_corrupt_reads_name_the_file_read(tmp_path: Path) -> None:
-    """Every CorruptBlockError of read_file carries the (device, inode) of the file it read:
-    wrong size, short read (in one vectored run, and segment by segment), and what the
-    verification callback raises. Quarantine moves a file only while its name holds that."""
+    """Every CorruptBlockError of read_file and read_file_hashed carries the (device, inode)
+    of the file it read: wrong size, short read (in one vectored run, and in a hashed group).
+    Quarantine moves a file only while its name holds that."""
     path = tmp_path / "blk"
     path.write_bytes(b"x" * 100)
     st = path.stat()
@@ -306,19 +307,18 @@ def test_corrupt_reads_name_the_file_read(tmp_path: Path) -> None:
         two = [(0, memoryview(out)[:50]), (50, memoryview(out)[50:])]
         with pytest.raises(CorruptBlockError, match="short read at 0") as run_error:
             short.read_file(str(path), two, 4096)
-        with pytest.raises(CorruptBlockError, match="short read at 50") as piece_error:
-            short.read_file_checked(str(path), two, 4096, 0, lambda i: None)
-
-        def reject(i: int) -> None:
-            raise CorruptBlockError(f"chunk {i}: checksum mismatch")
-
-        with pytest.raises(CorruptBlockError, match="chunk 0") as check_error:
-            plain.read_file_checked(str(path), two[:1], 100, 0, reject)
+        # the second segment as one hashed group of two 75-byte chunks, read after the first
+        hashed = [(0, memoryview(out)[:50]), (50, memoryview(out)[50:200])]
+        plan = Hashing(1, 2, XXH3_64, 75, 150, np.zeros(2, dtype=np.uint64))
+        with pytest.raises(CorruptBlockError, match="short read at 50") as group_error:
+            short.read_file_hashed(str(path), hashed, 4096, 0, plan)
+        with pytest.raises(CorruptBlockError, match="file size") as hashed_size_error:
+            plain.read_file_hashed(str(path), hashed, 200, 0, plan)
         assert plain.read_file(str(path), [(0, memoryview(out)[:100])], 100) == identity
     finally:
         plain.close()
         short.close()
-    for error in (size_error, run_error, piece_error, check_error):
+    for error in (size_error, run_error, group_error, hashed_size_error):
         assert error.value.file_id == identity
 
 
