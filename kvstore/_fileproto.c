@@ -506,6 +506,28 @@ new_file(PyObject *name, PyObject *path, int flags, int mode, segment *segs, Py_
     return PyLong_FromLong(fd);
 }
 
+/* The segments of a new file, acquired (see acquire_segments), after the checks write_new and
+ * write_new_hashed share: 0 <= buffered_from <= the segment count, file_nbytes >= 0; NULL with
+ * ValueError (nothing held) otherwise. */
+static segment *
+new_file_segments(PyObject *segments_obj, Py_ssize_t buffered_from, Py_ssize_t file_nbytes,
+                  Py_ssize_t *n)
+{
+    segment *segs = acquire_segments(segments_obj, 0, n);
+    if (segs == NULL) {
+        return NULL;
+    }
+    if (buffered_from < 0 || buffered_from > *n || file_nbytes < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "write_new: expected 0 <= buffered_from <= %zd segments and "
+                     "file_nbytes >= 0, got %zd and %zd",
+                     *n, buffered_from, file_nbytes);
+        release_segments(segs, *n);
+        return NULL;
+    }
+    return segs;
+}
+
 static PyObject *
 fileproto_write_new(PyObject *Py_UNUSED(module), PyObject *args)
 {
@@ -522,17 +544,8 @@ fileproto_write_new(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     Py_ssize_t n = 0;
-    segment *segs = acquire_segments(segments_obj, 0, &n);
+    segment *segs = new_file_segments(segments_obj, buffered_from, file_nbytes, &n);
     if (segs == NULL) {
-        Py_DECREF(path);
-        return NULL;
-    }
-    if (buffered_from < 0 || buffered_from > n || file_nbytes < 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "write_new: expected 0 <= buffered_from <= %zd segments and "
-                     "file_nbytes >= 0, got %zd and %zd",
-                     n, buffered_from, file_nbytes);
-        release_segments(segs, n);
         Py_DECREF(path);
         return NULL;
     }
@@ -559,17 +572,8 @@ fileproto_write_new_hashed(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     Py_ssize_t n = 0;
-    segment *segs = acquire_segments(segments_obj, 0, &n);
+    segment *segs = new_file_segments(segments_obj, buffered_from, file_nbytes, &n);
     if (segs == NULL) {
-        Py_DECREF(path);
-        return NULL;
-    }
-    if (buffered_from < 0 || buffered_from > n || file_nbytes < 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "write_new: expected 0 <= buffered_from <= %zd segments and "
-                     "file_nbytes >= 0, got %zd and %zd",
-                     n, buffered_from, file_nbytes);
-        release_segments(segs, n);
         Py_DECREF(path);
         return NULL;
     }

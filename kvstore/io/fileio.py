@@ -51,7 +51,7 @@ import numpy as np
 from kvstore.checksum import XXH3_64, chunk_sums, native_xxh3_capsule
 from kvstore.errors import CorruptBlockError, EntryKindError
 from kvstore.io.entries import FileId, describe_kind, file_id, not_regular, open_dir_nofollow
-from kvstore.io.fileproto import ReadOutcome, native_fileproto
+from kvstore.io.fileproto import NativeFileProto, ReadOutcome, native_fileproto
 from kvstore.io.rename import rename_noreplace, rename_noreplace_at
 from kvstore.io.types import Hashing, Segment
 
@@ -285,6 +285,18 @@ class FileIO:
             raise
         return fd
 
+    def _native_hashing(self, hashing: Hashing) -> tuple[NativeFileProto, object] | None:
+        """The native module and the XXH3 capsule when a hashed call may run natively: the
+        plain FileIO, xxh3 into native uint64 sums, both extensions bound; else None (the
+        Python reference runs)."""
+        if not self._native_allowed or hashing.algo != XXH3_64:
+            return None
+        if hashing.sums.dtype != np.uint64:
+            return None
+        native = native_fileproto()
+        xxh3 = native_xxh3_capsule() if native is not None else None
+        return None if native is None or xxh3 is None else (native, xxh3)
+
     def write_new_hashed(  # noqa: PLR0913 - write_new's arguments and the checksums' plan
         self,
         path: str,
@@ -309,13 +321,8 @@ class FileIO:
         """
         stop = len(segments) if buffered_from is None else buffered_from
         h = hashing
-        if (
-            self._native_allowed
-            and h.algo == XXH3_64
-            and h.sums.dtype == np.uint64
-            and (native := native_fileproto()) is not None
-            and (xxh3 := native_xxh3_capsule()) is not None
-        ):
+        if (bound := self._native_hashing(h)) is not None:
+            native, xxh3 = bound
             return native.write_new_hashed(
                 path, flags, mode, segments, stop, file_nbytes,
                 h.first, h.last, h.chunk_nbytes, h.group_nbytes, h.sums, xxh3,
@@ -447,13 +454,8 @@ class FileIO:
         the header it read) - this only computes them. A short read stops the read (values
         after it are not written) and raises what :meth:`read_regular` raises."""
         h = hashing
-        if (
-            self._native_allowed
-            and h.algo == XXH3_64
-            and h.sums.dtype == np.uint64
-            and (native := native_fileproto()) is not None
-            and (xxh3 := native_xxh3_capsule()) is not None
-        ):
+        if (bound := self._native_hashing(h)) is not None:
+            native, xxh3 = bound
             try:
                 outcome = native.read_regular_hashed(
                     path, flags, segments, file_nbytes, touch_if_older_than_ns,
