@@ -252,11 +252,7 @@ class Publisher:
             (layout.data_end, self._index),
         ]
         try:
-            try:
-                fd = self._engine_hashed(tmp, segments, hashing)
-            except FileNotFoundError:
-                self._recreate_fan_out(tmp)
-                fd = self._engine_hashed(tmp, segments, hashing)
+            fd = self._recreating_fan_out(tmp, lambda: self._engine_hashed(tmp, segments, hashing))
         except BaseException:
             self.array.remove_quietly(tmp)
             raise
