@@ -826,6 +826,540 @@ fileproto_sync_and_rename(PyObject *Py_UNUSED(module), PyObject *args)
     return PyErr_SetFromErrnoWithFilenameObjects(PyExc_OSError, src_name, dst_name);
 }
 
+/* -- publish_pieces: whole blocks given as pieces, written and named in one call --------- */
+
+#define PUBLISHED 1     /* publish_pieces: the block's file was written and named */
+#define ALREADY_THERE 0 /* publish_pieces: a regular file had the name (nothing written) */
+
+/* One block of a publish_pieces batch: its temporary and final names, its header (fixed part
+ * packed, checksum slots filled here) and the memory its pieces lie in. */
+typedef struct {
+    PyObject *tmp; /* bytes (PyUnicode_FSConverter) */
+    PyObject *final;
+    Py_buffer header;
+    Py_buffer span;
+    int outcome;
+} piece_block;
+
+/* The geometry every block of a batch shares (checked once, with the GIL). */
+typedef struct {
+    int flags, mode;
+    Py_ssize_t file_nbytes, piece_nbytes, npieces, chunk_nbytes, nchunks, slots_offset;
+    Py_ssize_t index_offset, alignment;
+    const int64_t *starts;  /* piece k starts at span + starts[k] */
+    const int64_t *slot_of; /* the span's chunk s is the block's chunk slot_of[s] */
+    Py_buffer index;
+    xxh3_64_fn fn;
+} piece_plan;
+
+static void
+release_piece_blocks(piece_block *blocks, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_XDECREF(blocks[i].tmp);
+        Py_XDECREF(blocks[i].final);
+        if (blocks[i].header.obj != NULL) {
+            PyBuffer_Release(&blocks[i].header);
+        }
+        if (blocks[i].span.obj != NULL) {
+            PyBuffer_Release(&blocks[i].span);
+        }
+    }
+    PyMem_Free(blocks);
+}
+
+/* Whether every byte a block's O_DIRECT write sends from memory is aligned: the header and
+ * every piece, in address and length (the index goes buffered after them). */
+static int
+piece_block_aligned(const piece_plan *p, const piece_block *b)
+{
+    uintptr_t a = (uintptr_t)p->alignment;
+    if ((uintptr_t)b->header.buf % a != 0 || (uintptr_t)b->header.len % a != 0
+        || (uintptr_t)p->piece_nbytes % a != 0) {
+        return 0;
+    }
+    for (Py_ssize_t k = 0; k < p->npieces; k++) {
+        if ((uintptr_t)((const char *)b->span.buf + p->starts[k]) % a != 0) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* One block: existence probe, checksums into the header's slots, the temporary file written
+ * (header, pieces, index) and closed, then named without replacing. Returns PUBLISHED,
+ * ALREADY_THERE, or -errno of the step that failed, the temporary file removed (the caller
+ * takes the block through its reference path, which reports the failure in its own words).
+ * ``segs``: room for npieces + 2 segments. No GIL needed. */
+static int
+publish_piece_block(const piece_plan *p, piece_block *b, segment *segs)
+{
+    const char *tmp = PyBytes_AS_STRING(b->tmp);
+    const char *final = PyBytes_AS_STRING(b->final);
+    struct stat st;
+    if (lstat(final, &st) == 0) {
+        /* A regular file is the block (names are content hashes); anything else is for the
+         * reference path to report (FileIO.exists raises EntryKindError). */
+        return S_ISREG(st.st_mode) ? ALREADY_THERE : -EEXIST;
+    }
+    if (errno != ENOENT) {
+        return -errno;
+    }
+    const char *span = (const char *)b->span.buf;
+    char *slots = (char *)b->header.buf + p->slots_offset;
+    for (Py_ssize_t s = 0; s < p->nchunks; s++) { /* front to back: the prefetcher follows */
+        uint64_t sum = p->fn(span + s * p->chunk_nbytes, (size_t)p->chunk_nbytes);
+        memcpy(slots + 8 * p->slot_of[s], &sum, 8);
+    }
+    int direct = (p->flags & O_DIRECT) && piece_block_aligned(p, b);
+    int flags = direct ? p->flags : p->flags & ~O_DIRECT;
+    Py_ssize_t n = 0;
+    segs[n].offset = 0;
+    segs[n].view.buf = b->header.buf;
+    segs[n].view.len = b->header.len;
+    n++;
+    for (Py_ssize_t k = 0; k < p->npieces; k++, n++) {
+        segs[n].offset = b->header.len + k * p->piece_nbytes;
+        segs[n].view.buf = (char *)span + p->starts[k];
+        segs[n].view.len = p->piece_nbytes;
+    }
+    segs[n].offset = p->index_offset;
+    segs[n].view.buf = p->index.buf;
+    segs[n].view.len = p->index.len;
+    n++;
+    int fd;
+    do {
+        fd = open(tmp, flags | OPEN_FLAGS, (mode_t)p->mode);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) {
+        return -errno; /* nothing created (O_EXCL) */
+    }
+    Py_ssize_t end = 0;
+    int err = write_plain(fd, flags, segs, 0, n, direct ? n - 1 : n, &end);
+    if (err == NO_PROGRESS) {
+        err = ENOSPC;
+    }
+    if (err == 0 && end != p->file_nbytes) {
+        int rc;
+        do {
+            rc = ftruncate(fd, (off_t)p->file_nbytes);
+        } while (rc < 0 && errno == EINTR);
+        if (rc < 0) {
+            err = errno;
+        }
+    }
+    if (close(fd) < 0 && err == 0 && errno != EINTR) {
+        err = errno;
+    }
+    if (err == 0) {
+        if (renameat2_noreplace(tmp, final) == 0) {
+            return PUBLISHED;
+        }
+        err = errno;
+    }
+    (void)unlink(tmp);
+    /* The rename found the block there: another writer published it since the probe. */
+    return err == EEXIST ? ALREADY_THERE : -err;
+}
+
+/* ``obj`` as native int64 values (``count`` of them; any number when count < 0), acquired
+ * into *view; -1 with TypeError/ValueError naming ``what``. */
+static int
+int64_buffer(PyObject *obj, Py_buffer *view, const char *what, Py_ssize_t count)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "publish_pieces: expected %s as a C-contiguous int64 buffer, got %.200s",
+                     what, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    const char *f = view->format != NULL ? view->format : "B";
+    if (f[0] == '@' || f[0] == '=' || f[0] == '<') {
+        f++;
+    }
+    if (view->itemsize != 8 || !(strcmp(f, "q") == 0 || strcmp(f, "l") == 0)
+        || (count >= 0 && view->len / 8 != count)) {
+        PyErr_Format(PyExc_ValueError,
+                     "publish_pieces: expected %s as %zd int64 values (-1: any number), got "
+                     "format '%s', %zd bytes",
+                     what, count, view->format ? view->format : "B", view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* The checks of publish_pieces' geometry (GIL held); -1 with ValueError. */
+static int
+check_piece_plan(const piece_plan *p)
+{
+    if (p->piece_nbytes <= 0 || p->chunk_nbytes <= 0 || p->piece_nbytes % p->chunk_nbytes != 0
+        || p->alignment <= 0 || p->npieces <= 0 || p->npieces > IOV_MAX - 2) {
+        PyErr_Format(PyExc_ValueError,
+                     "publish_pieces: expected 1..%d pieces of whole chunks and an alignment > "
+                     "0, got %zd pieces of %zd bytes, chunks of %zd, alignment %zd",
+                     IOV_MAX - 2, p->npieces, p->piece_nbytes, p->chunk_nbytes, p->alignment);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < p->npieces; k++) {
+        if (p->starts[k] < 0 || p->starts[k] % p->chunk_nbytes != 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "publish_pieces: expected piece starts on chunk boundaries, got %lld "
+                         "for piece %zd",
+                         (long long)p->starts[k], k);
+            return -1;
+        }
+    }
+    /* slot_of must be a permutation: every slot of the header filled exactly once. */
+    unsigned char *seen = PyMem_Calloc((size_t)p->nchunks, 1);
+    if (seen == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t s = 0; s < p->nchunks; s++) {
+        int64_t slot = p->slot_of[s];
+        if (slot < 0 || slot >= p->nchunks || seen[slot]) {
+            PyMem_Free(seen);
+            PyErr_Format(PyExc_ValueError,
+                         "publish_pieces: expected slot_of to be a permutation of 0..%zd, got "
+                         "%lld at %zd",
+                         p->nchunks - 1, (long long)slot, s);
+            return -1;
+        }
+        seen[slot] = 1;
+    }
+    PyMem_Free(seen);
+    return 0;
+}
+
+/* Acquire the (tmp, final, header, span) items and check each against the plan; NULL with
+ * an exception (nothing held) otherwise. */
+static piece_block *
+acquire_piece_blocks(PyObject *items_obj, const piece_plan *p, int reading, Py_ssize_t *count)
+{
+    const char *call = reading ? "read_pieces" : "publish_pieces";
+    const char *shape = reading ? "(path, header, span)" : "(tmp, final, header, span)";
+    Py_ssize_t size = reading ? 3 : 4;
+    PyObject *seq = PySequence_Fast(items_obj, "file protocol: expected the blocks as a "
+                                               "sequence of tuples");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    piece_block *blocks = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(piece_block));
+    if (blocks == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    Py_ssize_t span_nbytes = p->npieces * p->piece_nbytes;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        piece_block *b = &blocks[i];
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != size) {
+            PyErr_Format(PyExc_TypeError, "%s: expected block %zd as a %s tuple, got %.200s",
+                         call, i, shape, Py_TYPE(item)->tp_name);
+            goto fail;
+        }
+        /* reads: the file's path in ``final`` (tmp unused) */
+        if ((!reading && !PyUnicode_FSConverter(PyTuple_GET_ITEM(item, 0), &b->tmp))
+            || !PyUnicode_FSConverter(PyTuple_GET_ITEM(item, size - 3), &b->final)) {
+            goto fail;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, size - 2), &b->header, PyBUF_WRITABLE)
+            < 0) {
+            b->header.obj = NULL;
+            goto fail;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, size - 1), &b->span,
+                               reading ? PyBUF_WRITABLE : PyBUF_SIMPLE)
+            < 0) {
+            b->span.obj = NULL;
+            goto fail;
+        }
+        if (b->header.len + span_nbytes != p->index_offset
+            || b->header.len < p->slots_offset + 8 * p->nchunks
+            || b->span.len != span_nbytes) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: block %zd: expected a header of %zd bytes (slots at %zd) and a "
+                         "span of %zd bytes, got %zd and %zd",
+                         call, i, p->index_offset - span_nbytes, p->slots_offset, span_nbytes,
+                         b->header.len, b->span.len);
+            goto fail;
+        }
+    }
+    Py_DECREF(seq);
+    *count = n;
+    return blocks;
+fail:
+    Py_DECREF(seq);
+    release_piece_blocks(blocks, n);
+    return NULL;
+}
+
+/* -- read_pieces: whole blocks read into pieces and verified, in one call ------------------ */
+
+#define VERIFIED 1 /* read_pieces: read whole, every chunk matches its slot */
+
+/* One block: open, fstat (a regular file of file_nbytes bytes), one preadv of the header and
+ * every piece where it lies, touch, close, then each chunk's xxh3 against its slot. Returns
+ * VERIFIED or -errno: EBADMSG for a file that is not regular, of the wrong size, short, or
+ * whose checksums differ (the caller reads it again through its reference path, which
+ * reports and quarantines it in its own words). No GIL needed. */
+static int
+read_piece_block(const piece_plan *p, piece_block *b, segment *segs, long long touch_ns)
+{
+    const char *path = PyBytes_AS_STRING(b->final);
+    char *span = (char *)b->span.buf;
+    Py_ssize_t n = 0;
+    segs[n].offset = 0;
+    segs[n].view.buf = b->header.buf;
+    segs[n].view.len = b->header.len;
+    n++;
+    for (Py_ssize_t k = 0; k < p->npieces; k++, n++) {
+        segs[n].offset = b->header.len + k * p->piece_nbytes;
+        segs[n].view.buf = span + p->starts[k];
+        segs[n].view.len = p->piece_nbytes;
+    }
+    int fd;
+    do {
+        fd = open(path, p->flags | OPEN_FLAGS);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) {
+        return -errno;
+    }
+    struct stat st;
+    int err = 0;
+    if (fstat(fd, &st) < 0) {
+        err = errno;
+    }
+    else if (!S_ISREG(st.st_mode) || st.st_size != p->file_nbytes) {
+        err = EBADMSG;
+    }
+    else {
+        Py_ssize_t got = transfer_run(fd, segs, 0, n, 0);
+        if (got < 0) {
+            err = errno;
+        }
+        else if (got != p->index_offset) { /* header and pieces end where the index starts */
+            err = EBADMSG;
+        }
+        else {
+            long long mtime_ns = (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+            if (mtime_ns < touch_ns) {
+                (void)futimens(fd, NULL); /* best effort, as read_regular */
+            }
+        }
+    }
+    close(fd);
+    if (err != 0) {
+        return -err;
+    }
+    const char *slots = (const char *)b->header.buf + p->slots_offset;
+    for (Py_ssize_t s = 0; s < p->nchunks; s++) {
+        uint64_t sum = p->fn(span + s * p->chunk_nbytes, (size_t)p->chunk_nbytes);
+        uint64_t slot;
+        memcpy(&slot, slots + 8 * p->slot_of[s], 8);
+        if (sum != slot) {
+            return -EBADMSG;
+        }
+    }
+    return VERIFIED;
+}
+
+/* The geometry arguments both batch calls share: the capsule, starts and slot_of acquired into
+ * *starts_view and *slot_view (the caller releases both on success; nothing is held on
+ * failure), p's counts set; -1 with an exception. */
+static int
+parse_piece_geometry(piece_plan *p, PyObject *starts_obj, PyObject *slot_obj, PyObject *capsule,
+                     Py_buffer *starts_view, Py_buffer *slot_view)
+{
+    void *address = PyCapsule_GetPointer(capsule, XXH3_CAPSULE_NAME);
+    if (address == NULL) {
+        return -1;
+    }
+    memcpy(&p->fn, &address, sizeof p->fn);
+    if (int64_buffer(starts_obj, starts_view, "starts", -1) < 0) {
+        return -1;
+    }
+    p->npieces = starts_view->len / 8;
+    p->starts = (const int64_t *)starts_view->buf;
+    p->nchunks = p->chunk_nbytes > 0 ? p->npieces * (p->piece_nbytes / p->chunk_nbytes) : 0;
+    if (int64_buffer(slot_obj, slot_view, "slot_of", p->nchunks) < 0) {
+        PyBuffer_Release(starts_view);
+        return -1;
+    }
+    p->slot_of = (const int64_t *)slot_view->buf;
+    if (check_piece_plan(p) < 0) {
+        PyBuffer_Release(slot_view);
+        PyBuffer_Release(starts_view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Acquire the blocks of a batch, run publish_piece_block (``reading`` 0) or read_piece_block
+ * on each with the GIL released, and return their outcomes as a list (NULL with an
+ * exception; nothing held either way). */
+static PyObject *
+run_piece_batch(const piece_plan *p, PyObject *items_obj, int reading, long long touch_ns)
+{
+    Py_ssize_t n = 0;
+    piece_block *blocks = acquire_piece_blocks(items_obj, p, reading, &n);
+    if (blocks == NULL) {
+        return NULL;
+    }
+    segment *segs = PyMem_Calloc((size_t)p->npieces + 2, sizeof(segment));
+    if (segs == NULL) {
+        release_piece_blocks(blocks, n);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        blocks[i].outcome = reading ? read_piece_block(p, &blocks[i], segs, touch_ns)
+                                    : publish_piece_block(p, &blocks[i], segs);
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *value = PyLong_FromLong(blocks[i].outcome);
+        if (value == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, value);
+    }
+    PyMem_Free(segs);
+    release_piece_blocks(blocks, n);
+    return result;
+}
+
+static PyObject *
+fileproto_publish_pieces(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *items_obj, *starts_obj, *slot_obj, *index_obj, *capsule;
+    piece_plan p;
+    memset(&p, 0, sizeof p);
+    if (!PyArg_ParseTuple(args, "OiinnOOnnOnnO:publish_pieces", &items_obj, &p.flags, &p.mode,
+                          &p.file_nbytes, &p.piece_nbytes, &starts_obj, &slot_obj,
+                          &p.chunk_nbytes, &p.slots_offset, &index_obj, &p.index_offset,
+                          &p.alignment, &capsule)) {
+        return NULL;
+    }
+    Py_buffer starts_view, slot_view;
+    if (parse_piece_geometry(&p, starts_obj, slot_obj, capsule, &starts_view, &slot_view) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(index_obj, &p.index, PyBUF_SIMPLE) == 0) {
+        if (p.index_offset < 0 || p.index_offset + p.index.len > p.file_nbytes) {
+            PyErr_Format(PyExc_ValueError,
+                         "publish_pieces: expected the %zd-byte index at %zd inside the "
+                         "%zd-byte file",
+                         p.index.len, p.index_offset, p.file_nbytes);
+        }
+        else {
+            result = run_piece_batch(&p, items_obj, 0, 0);
+        }
+        PyBuffer_Release(&p.index);
+    }
+    PyBuffer_Release(&slot_view);
+    PyBuffer_Release(&starts_view);
+    return result;
+}
+
+static PyObject *
+fileproto_read_pieces(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *items_obj, *starts_obj, *slot_obj, *capsule;
+    Py_ssize_t header_nbytes;
+    long long touch_ns;
+    piece_plan p;
+    memset(&p, 0, sizeof p);
+    if (!PyArg_ParseTuple(args, "OinnnOOnnLO:read_pieces", &items_obj, &p.flags, &p.file_nbytes,
+                          &header_nbytes, &p.piece_nbytes, &starts_obj, &slot_obj,
+                          &p.chunk_nbytes, &p.slots_offset, &touch_ns, &capsule)) {
+        return NULL;
+    }
+    p.alignment = 1; /* unused: reads are buffered */
+    Py_buffer starts_view, slot_view;
+    if (parse_piece_geometry(&p, starts_obj, slot_obj, capsule, &starts_view, &slot_view) < 0) {
+        return NULL;
+    }
+    p.index_offset = header_nbytes + p.npieces * p.piece_nbytes; /* where the pieces end */
+    PyObject *result = NULL;
+    if (header_nbytes < 0 || p.index_offset > p.file_nbytes) {
+        PyErr_Format(PyExc_ValueError,
+                     "read_pieces: expected a %zd-byte header and %zd pieces of %zd bytes "
+                     "inside the %zd-byte file",
+                     header_nbytes, p.npieces, p.piece_nbytes, p.file_nbytes);
+    }
+    else {
+        result = run_piece_batch(&p, items_obj, 1, touch_ns);
+    }
+    PyBuffer_Release(&slot_view);
+    PyBuffer_Release(&starts_view);
+    return result;
+}
+
+/* -- exists_many: existence probes of a batch of names ------------------------------------ */
+
+static PyObject *
+fileproto_exists_many(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *paths_obj;
+    if (!PyArg_ParseTuple(args, "O:exists_many", &paths_obj)) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(paths_obj, "exists_many: expected a sequence of paths");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **encoded = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(PyObject *));
+    int *codes = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(int));
+    PyObject *result = NULL;
+    Py_ssize_t got = 0;
+    if (encoded == NULL || codes == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, got), &encoded[got])) {
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        struct stat st;
+        if (lstat(PyBytes_AS_STRING(encoded[i]), &st) == 0) {
+            codes[i] = S_ISREG(st.st_mode) ? 1 : -1;
+        }
+        else {
+            codes[i] = errno == ENOENT ? 0 : -1;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *value = PyLong_FromLong(codes[i]);
+        if (value == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, value);
+    }
+done:
+    for (Py_ssize_t i = 0; encoded != NULL && i < got; i++) {
+        Py_DECREF(encoded[i]);
+    }
+    PyMem_Free(encoded);
+    PyMem_Free(codes);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyObject *
 fileproto_first_unaligned(PyObject *Py_UNUSED(module), PyObject *args)
 {
@@ -900,6 +1434,33 @@ static PyMethodDef fileproto_methods[] = {
      "renameat2(src, dst, RENAME_NOREPLACE). False when the file system lacks renameat2 (the "
      "file is synced; the caller renames another way); OSError (FileExistsError when dst "
      "exists) otherwise."},
+    {"publish_pieces", fileproto_publish_pieces, METH_VARARGS,
+     "publish_pieces(blocks, flags, mode, file_nbytes, piece_nbytes, starts, slot_of, "
+     "chunk_nbytes, slots_offset, index, index_offset, alignment, xxh3) -> [outcome]: for each "
+     "(tmp, final, header, span) of `blocks`, in order and without the GIL: lstat(final) (a "
+     "regular file: 0, nothing written); the span's chunks of chunk_nbytes hashed front to "
+     "back with the capsule `xxh3` into the header's uint64 slots at slots_offset (chunk s "
+     "into slot slot_of[s]); open(tmp, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, mode) "
+     "(O_DIRECT kept only when the header and every piece are aligned); one pwritev of the "
+     "header and the pieces (span + starts[k], piece_nbytes each, back to back after the "
+     "header), the index buffered at index_offset, ftruncate to file_nbytes; close; "
+     "renameat2(tmp, final, RENAME_NOREPLACE). Outcome 1: published; 0: the name was taken "
+     "(by the probe or the rename); -errno: that step failed and tmp was removed."},
+    {"read_pieces", fileproto_read_pieces, METH_VARARGS,
+     "read_pieces(blocks, flags, file_nbytes, header_nbytes, piece_nbytes, starts, slot_of, "
+     "chunk_nbytes, slots_offset, touch_if_older_than_ns, xxh3) -> [outcome]: for each (path, "
+     "header, span) of `blocks`, in order and without the GIL: open(path, flags | O_NOFOLLOW | "
+     "O_NONBLOCK | O_CLOEXEC), fstat, and for a regular file of file_nbytes bytes one preadv "
+     "of the header and the pieces (span + starts[k], piece_nbytes each, back to back after "
+     "the header), touch (futimens) when its mtime is older than touch_if_older_than_ns, "
+     "close; then the span's chunks hashed with the capsule `xxh3` and compared with the "
+     "header's uint64 slots at slots_offset (chunk s with slot slot_of[s]). Outcome 1: read "
+     "and every chunk matches; -errno of the step that failed, -EBADMSG for a file that is "
+     "not regular, has the wrong size, reads short or differs from its checksums."},
+    {"exists_many", fileproto_exists_many, METH_VARARGS,
+     "exists_many(paths) -> [code]: lstat of each path without the GIL: 1 a regular file, 0 "
+     "no such name (ENOENT), -1 anything else (another kind of entry, or an error: the caller "
+     "asks again one by one for the words)."},
     {"first_unaligned", fileproto_first_unaligned, METH_VARARGS,
      "first_unaligned(segments, alignment) -> (index, address_aligned): the index of the first "
      "(offset, buffer) segment whose memory's address or length is not a multiple of "

@@ -55,4 +55,35 @@ def sync_and_rename(fd: int, src: str, dst: str, /) -> bool: ...
 def first_unaligned(
     segments: Sequence[tuple[int, Buffer]], alignment: int, /
 ) -> tuple[int, bool]: ...
+def publish_pieces(
+    blocks: Sequence[tuple[str, str, Buffer, Buffer]],
+    flags: int,
+    mode: int,
+    file_nbytes: int,
+    piece_nbytes: int,
+    starts: Buffer,
+    slot_of: Buffer,
+    chunk_nbytes: int,
+    slots_offset: int,
+    index: Buffer,
+    index_offset: int,
+    alignment: int,
+    xxh3: object,
+    /,
+) -> list[int]: ...
+def exists_many(paths: Sequence[str], /) -> list[int]: ...
+def read_pieces(
+    blocks: Sequence[tuple[str, Buffer, Buffer]],
+    flags: int,
+    file_nbytes: int,
+    header_nbytes: int,
+    piece_nbytes: int,
+    starts: Buffer,
+    slot_of: Buffer,
+    chunk_nbytes: int,
+    slots_offset: int,
+    touch_if_older_than_ns: int,
+    xxh3: object,
+    /,
+) -> list[int]: ...
 def constants() -> dict[str, int]: ...

@@ -53,7 +53,7 @@ from kvstore.errors import CorruptBlockError, EntryKindError
 from kvstore.io.entries import FileId, describe_kind, file_id, not_regular, open_dir_nofollow
 from kvstore.io.fileproto import NativeFileProto, ReadOutcome, native_fileproto
 from kvstore.io.rename import rename_noreplace, rename_noreplace_at
-from kvstore.io.types import Hashing, Segment
+from kvstore.io.types import Hashing, PieceBlock, PiecePlan, Segment
 
 # Linux's IOV_MAX; os.sysconf may not know it everywhere.
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
@@ -220,6 +220,26 @@ class FileIO:
         if not stat.S_ISREG(mode):
             raise not_regular(path, mode)
         return True
+
+    def exists_many(self, paths: Sequence[str]) -> list[bool | OSError]:
+        """:meth:`exists` of each path: True, False, or the OSError its probe raised (an
+        :class:`~kvstore.errors.EntryKindError` for a name held by anything but a regular
+        file). The plain FileIO probes the whole batch in one native call without the GIL
+        and asks :meth:`exists` again, for the words, only about a name that is neither."""
+        native = native_fileproto() if self._native_allowed else None
+        if native is None:
+            return [self._exists_or_error(p) for p in paths]
+        codes = native.exists_many(paths)
+        return [
+            code == 1 if code >= 0 else self._exists_or_error(p)
+            for p, code in zip(paths, codes, strict=True)
+        ]
+
+    def _exists_or_error(self, path: str) -> bool | OSError:
+        try:
+            return self.exists(path)
+        except OSError as exc:
+            return exc
 
     def makedirs(self, path: str, mode: int = 0o700) -> list[str]:
         """Create ``path`` and missing parents, each with ``mode`` (os.makedirs gives parents
@@ -494,6 +514,91 @@ class FileIO:
         if fd is not None:
             self.fdatasync(fd)
         self.rename(tmp, final)
+
+    @property
+    def native_piece_batches(self) -> bool:
+        """Whether :meth:`publish_pieces` runs here: the plain FileIO with both extensions
+        bound, on a little-endian machine (the header's slots are little-endian uint64)."""
+        return (
+            self._native_allowed
+            and sys.byteorder == "little"
+            and native_fileproto() is not None
+            and native_xxh3_capsule() is not None
+        )
+
+    def publish_pieces(
+        self, blocks: Sequence[PieceBlock], flags: int, mode: int, plan: PiecePlan
+    ) -> list[int]:
+        """Write and name whole raw dense blocks given as pieces (:class:`PiecePlan`), in one
+        native call with the GIL released for the whole batch (only where
+        :attr:`native_piece_batches`; a :class:`RuntimeError` elsewhere).
+
+        Per block ``(tmp, final, header, span)``, in order: ``lstat(final)`` (a regular file
+        there: :data:`ALREADY_THERE`, nothing written), the span's chunks hashed (xxh3) into
+        the header's slots, ``tmp`` opened ``O_EXCL`` with ``flags`` (O_DIRECT dropped for a
+        block whose header or pieces are not aligned), header and pieces in one ``pwritev``,
+        the index after them (buffered), closed, then renamed to ``final`` never replacing
+        a name (taken: :data:`ALREADY_THERE`, ``tmp`` removed): :data:`PUBLISHED`. The
+        same steps as :meth:`exists`, :meth:`write_new` and :meth:`sync_and_rename` without a
+        sync, so the same file. Any other outcome is ``-errno`` of the step that failed,
+        with ``tmp`` removed: the caller takes that block through those methods one by one
+        (they are the reference, and report the failure in their words). No sync: for
+        stores without durability."""
+        native = native_fileproto()
+        xxh3 = native_xxh3_capsule()
+        if not self.native_piece_batches or native is None or xxh3 is None:
+            raise RuntimeError("publish_pieces: runs only natively, for the plain FileIO")
+        return native.publish_pieces(
+            blocks,
+            flags,
+            mode,
+            plan.file_nbytes,
+            plan.piece_nbytes,
+            plan.starts,
+            plan.slot_of,
+            plan.chunk_nbytes,
+            plan.slots_offset,
+            plan.index,
+            plan.index_offset,
+            plan.alignment,
+            xxh3,
+        )
+
+    def read_pieces(
+        self,
+        blocks: Sequence[tuple[str, memoryview, memoryview]],
+        header_nbytes: int,
+        plan: PiecePlan,
+        touch_if_older_than_ns: int,
+    ) -> list[int]:
+        """Read whole raw dense blocks into pieces and verify them (:class:`PiecePlan`: the
+        index is not read), in one native call with the GIL released for the whole batch
+        (only where :attr:`native_piece_batches`; a :class:`RuntimeError` elsewhere).
+
+        Per block ``(path, header, span)``, in order: :meth:`read_regular`'s steps (open,
+        ``fstat``, a regular file of ``plan.file_nbytes`` bytes, one ``preadv`` of the
+        ``header_nbytes``-byte header and every piece where it lies, touch, close), then each
+        chunk's xxh3 against its slot in the header read: :data:`VERIFIED`. Any other outcome
+        is ``-errno`` (``-EBADMSG``: not regular, wrong size, short, or a checksum differs):
+        the caller reads that block again through its reference path, which names and
+        quarantines what is wrong. The header's other fields are the caller's to check."""
+        native = native_fileproto()
+        xxh3 = native_xxh3_capsule()
+        if not self.native_piece_batches or native is None or xxh3 is None:
+            raise RuntimeError("read_pieces: runs only natively, for the plain FileIO")
+        return native.read_pieces(
+            blocks,
+            os.O_RDONLY,
+            plan.file_nbytes,
+            header_nbytes,
+            plan.piece_nbytes,
+            plan.starts,
+            plan.slot_of,
+            plan.chunk_nbytes,
+            plan.slots_offset,
+            touch_if_older_than_ns,
+            xxh3,
+        )
 
     def drop_cache(self, fd: int) -> None:
         """Ask the kernel to drop this file's clean cached pages (benchmarks' cold reads)."""

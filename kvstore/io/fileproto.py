@@ -94,6 +94,42 @@ class NativeFileProto(Protocol):
         self, segments: Sequence[tuple[int, Any]], alignment: int, /
     ) -> tuple[int, bool]: ...
 
+    def exists_many(self, paths: Sequence[str], /) -> list[int]: ...
+
+    def read_pieces(  # noqa: PLR0913 - the C function's arguments
+        self,
+        blocks: Sequence[tuple[str, Any, Any]],
+        flags: int,
+        file_nbytes: int,
+        header_nbytes: int,
+        piece_nbytes: int,
+        starts: Any,
+        slot_of: Any,
+        chunk_nbytes: int,
+        slots_offset: int,
+        touch_if_older_than_ns: int,
+        xxh3: object,
+        /,
+    ) -> list[int]: ...
+
+    def publish_pieces(  # noqa: PLR0913 - the C function's arguments
+        self,
+        blocks: Sequence[tuple[str, str, Any, Any]],
+        flags: int,
+        mode: int,
+        file_nbytes: int,
+        piece_nbytes: int,
+        starts: Any,
+        slot_of: Any,
+        chunk_nbytes: int,
+        slots_offset: int,
+        index: Any,
+        index_offset: int,
+        alignment: int,
+        xxh3: object,
+        /,
+    ) -> list[int]: ...
+
 
 _lock = threading.Lock()
 # (the module or None, why it is not used or None); None until the first use binds.

@@ -62,7 +62,7 @@ log = logging.getLogger("kvstore.io")
 T = TypeVar("T")
 R = TypeVar("R")
 PROBE_PREFIX = ".kvstore-probe-"  # the O_DIRECT probe file in a store root (crashes leave it)
-_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # a whole new block file's open flags
+NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # a whole new block file's open flags
 
 
 def probe_direct_io(directory: Path, mode: str, fio: FileIO = DEFAULT_FILEIO) -> DirectIOProbe:
@@ -151,6 +151,32 @@ class HostEngine:
             worker.result()
         return results
 
+    def map_batches(
+        self, call: Callable[[Sequence[T]], list[int]], items: Sequence[T]
+    ) -> list[int]:
+        """``call`` over at most one contiguous part of ``items`` per I/O thread (near-equal
+        sizes: each part one native batch call), its per-item codes joined in order. A part
+        whose call raises (bad input: nothing of it was done) gives -1 for each of its items,
+        logged once: the caller takes those items one by one."""
+        n = len(items)
+        count = max(1, min(n, self._threads))
+        bounds = [n * k // count for k in range(count + 1)]
+        parts = [slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+        codes: list[int] = []
+        for part, outcome in zip(parts, self.map(lambda p: call(items[p]), parts), strict=True):
+            if isinstance(outcome, BaseException):
+                log.warning(
+                    "kvstore: a batch of %d blocks failed before any I/O (%s: %s); its blocks "
+                    "go one by one",
+                    part.stop - part.start,
+                    type(outcome).__name__,
+                    outcome,
+                )
+                codes += [-1] * (part.stop - part.start)
+            else:
+                codes += outcome
+        return codes
+
     # -- writes -----------------------------------------------------------------------------
 
     def write_file(
@@ -184,7 +210,8 @@ class HostEngine:
         (the file is left for the caller to remove)."""
         if self.direct.enabled:
             return self._write_new_direct(path, segments, file_nbytes)
-        return self.fio.write_new(path, _NEW_FILE, self.config.file_mode, segments, file_nbytes)
+        mode = self.config.file_mode
+        return self.fio.write_new(path, NEW_FILE_FLAGS, mode, segments, file_nbytes)
 
     def write_new_file_hashed(
         self, path: str, segments: Sequence[Segment], file_nbytes: int, hashing: Hashing
@@ -201,14 +228,14 @@ class HostEngine:
         """
         if not self.direct.enabled:
             return self.fio.write_new_hashed(
-                path, _NEW_FILE, self.config.file_mode, segments, file_nbytes, hashing
+                path, NEW_FILE_FLAGS, self.config.file_mode, segments, file_nbytes, hashing
             )
         in_place = _in_place_writes(segments, file_nbytes)
         if in_place is not None and hashing.last <= in_place[1]:  # hashed ones all direct
             writes, buffered_from = in_place
             return self.fio.write_new_hashed(
                 path,
-                _NEW_FILE | O_DIRECT,
+                NEW_FILE_FLAGS | O_DIRECT,
                 self.config.file_mode,
                 writes,
                 file_nbytes,
@@ -256,7 +283,7 @@ class HostEngine:
         not aligned, buffered after them (O_DIRECT cleared on the descriptor). Anything else
         is planned by :mod:`kvstore.io.newfile` and partly staged. Both give the same file.
         """
-        flags = _NEW_FILE | O_DIRECT
+        flags = NEW_FILE_FLAGS | O_DIRECT
         mode = self.config.file_mode
         in_place = _in_place_writes(segments, file_nbytes)
         if in_place is not None:

@@ -40,3 +40,35 @@ class Hashing:
     chunk_nbytes: int
     group_nbytes: int
     sums: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class PiecePlan:
+    """What every block of a :meth:`FileIO.publish_pieces
+    <kvstore.io.fileio.FileIO.publish_pieces>` batch shares: a raw dense block file of
+    ``file_nbytes`` bytes is its header, then its ``starts.size`` pieces of ``piece_nbytes``
+    bytes back to back (piece ``k`` lies at ``starts[k]`` of the block's span, a whole number
+    of ``chunk_nbytes`` chunks), then ``index`` at ``index_offset``. The span's chunk ``s``
+    (front to back) is the block's chunk ``slot_of[s]``: its xxh3 goes into that uint64 slot
+    of the header, at ``slots_offset``. ``alignment``: what O_DIRECT needs of addresses and
+    lengths."""
+
+    file_nbytes: int
+    piece_nbytes: int
+    starts: np.ndarray  # int64
+    slot_of: np.ndarray  # int64, a permutation
+    chunk_nbytes: int
+    slots_offset: int
+    index: memoryview
+    index_offset: int
+    alignment: int
+
+
+# One block of a publish_pieces batch: temporary name, final name, header (fixed part
+# packed; its slots are filled by the call), span of the block's pieces.
+PieceBlock = tuple[str, str, memoryview, memoryview]
+# publish_pieces' outcome of a block: published, or a regular file had the name already.
+PUBLISHED = 1
+ALREADY_THERE = 0
+# read_pieces' outcome of a block read whole whose every chunk matches its checksum slot.
+VERIFIED = 1

@@ -567,3 +567,38 @@ def test_bad_segments_are_named(
     with pytest.raises(error, match=words):
         native.write_new(str(path), NEW, 0o600, segments, 1)
     assert not path.exists()
+
+
+# -- exists_many -------------------------------------------------------------------------------
+
+
+def test_exists_many_answers_what_exists_answers(native: FileIO, tmp_path: Path) -> None:
+    """One batch of names of every kind: True for a regular file, False for no such name, and
+    for anything else the very OSError exists() raises (a link, a directory, a FIFO, a name
+    below a file), in order; the native batch and the reference agree."""
+    (tmp_path / "file").write_bytes(b"x")
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(tmp_path / "file")
+    names = ["file", "missing", "dir", "fifo", "link", "file/below", "missing/below", "file"]
+    paths = [str(tmp_path / n) for n in names]
+
+    def described(fio: FileIO) -> list[Any]:
+        return [
+            (type(o).__name__, str(o), getattr(o, "errno", None)) if isinstance(o, OSError) else o
+            for o in fio.exists_many(paths)
+        ]
+
+    got = described(native)
+    assert got == described(Reference())
+    assert [g if isinstance(g, bool) else g[0] for g in got] == [
+        True,
+        False,
+        "EntryKindError",
+        "EntryKindError",
+        "EntryKindError",
+        "NotADirectoryError",
+        False,
+        True,
+    ]
+    assert native.exists_many([]) == []
