@@ -153,18 +153,29 @@ class _Probe:
         return found
 
     def serial(self, hashes: Sequence[bytes]) -> list[bool]:
-        """Probes of (checked) ``hashes`` on this thread, while no other thread probes."""
-        exists, block = self._exists, self._array.block_path
-        found = []
-        for block_hash in hashes:
-            try:
-                found.append(exists(block(block_hash)))
-            except OSError as exc:
-                self.errors += 1
-                self._first = self._first or exc
-                found.append(False)
+        """Probes of (checked) ``hashes`` on this thread, while no other thread probes: one
+        :meth:`FileIO.exists_many <kvstore.io.fileio.FileIO.exists_many>` call (for the
+        plain FileIO, native and without the GIL: vLLM's scheduler thread runs meanwhile)."""
+        found = [False] * len(hashes)
+        paths: list[str] = []
+        where: list[int] = []  # the position in hashes of each of paths
+        for i, path in enumerate(self._array.block_paths(hashes)):
+            if isinstance(path, OSError):  # a fan-out directory that is a link, say
+                self._failed(path)
+                continue
+            paths.append(path)
+            where.append(i)
+        for i, outcome in zip(where, self._array.fio.exists_many(paths), strict=True):
+            if isinstance(outcome, OSError):
+                self._failed(outcome)
+            else:
+                found[i] = outcome
         self.probes += len(hashes)
         return found
+
+    def _failed(self, exc: OSError) -> None:
+        self.errors += 1
+        self._first = self._first or exc
 
     def done(self, lookups: int) -> None:
         array = self._array

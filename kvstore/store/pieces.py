@@ -15,6 +15,7 @@ memory and its segment list (:meth:`BlockPieces.segments`), not a numpy computat
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -24,7 +25,9 @@ from numpy.lib.stride_tricks import as_strided
 
 from kvstore.checksum import chunk_sums, strided_chunk_sums
 from kvstore.errors import KvstoreError
-from kvstore.io.types import Segment
+from kvstore.io.align import ALIGN
+from kvstore.io.types import PiecePlan, Segment
+from kvstore.store import format as fmt
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,6 +49,10 @@ class PieceGeometry:
     # span's chunk that is the block's chunk ``k``. None: pieces with gaps or of odd sizes.
     chunk_order: np.ndarray | None = field(default=None, repr=False)
     chunk_nbytes: int = 0  # the chunk size chunk_order counts in
+    # The inverse of chunk_order (the span's chunk ``s`` is the block's chunk ``slot_of[s]``)
+    # and the starts as int64: what a native batch write takes (FileIO.publish_pieces).
+    slot_of: np.ndarray | None = field(default=None, repr=False)
+    starts_array: np.ndarray | None = field(default=None, repr=False)
     # File offsets of the pieces per data offset (one array's blocks share one): computed once.
     _offsets: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -177,6 +184,13 @@ def piece_geometry(
     as_list = tuple(int(s) for s in starts.tolist())
     run = outer[-1] if outer else 1
     extent = max(as_list) + piece
+    order = _chunk_order(starts, piece, extent, chunk_nbytes)
+    slot_of = None
+    if order is not None:
+        slot_of = np.empty_like(order)
+        slot_of[order] = np.arange(order.size)
+        slot_of.flags.writeable = False
+    starts.flags.writeable = False
     return PieceGeometry(
         piece_nbytes=piece,
         starts=as_list,
@@ -185,8 +199,10 @@ def piece_geometry(
         extent=extent,
         slices=tuple(slice(s, s + piece) for s in as_list),
         run_starts=as_list[::run],
-        chunk_order=_chunk_order(starts, piece, extent, chunk_nbytes),
+        chunk_order=order,
         chunk_nbytes=chunk_nbytes,
+        slot_of=slot_of,
+        starts_array=starts,
     )
 
 
@@ -209,3 +225,133 @@ def _chunk_order(
         return None
     order.flags.writeable = False  # shared by every block of the geometry
     return order
+
+
+class PlanCache:
+    """One array's :class:`~kvstore.io.types.PiecePlan` per piece geometry, built once.
+
+    Keyed by the geometry object, which each entry keeps alive: :func:`piece_geometry`'s
+    cache may drop a geometry, and a new one could then be allocated at its address (a key
+    of ``id`` alone would hand it the old geometry's plan: pieces written from the wrong
+    places). At most :attr:`LIMIT` entries (a caller cycling through shapes starts over)."""
+
+    LIMIT = 64
+
+    def __init__(self, file_nbytes: int, index: memoryview, index_offset: int) -> None:
+        self._file_nbytes = file_nbytes
+        self._index = index
+        self._index_offset = index_offset
+        self._plans: dict[int, tuple[PieceGeometry, PiecePlan]] = {}
+
+    def plan(self, geometry: PieceGeometry) -> PiecePlan:
+        entry = self._plans.get(id(geometry))
+        if entry is not None and entry[0] is geometry:
+            return entry[1]
+        plan = piece_plan(geometry, self._file_nbytes, self._index, self._index_offset)
+        if len(self._plans) >= self.LIMIT:
+            self._plans = {}  # replaced, not cleared: other threads may be reading it
+        self._plans[id(geometry)] = (geometry, plan)
+        return plan
+
+
+def piece_plan(
+    geometry: PieceGeometry, file_nbytes: int, index: memoryview, index_offset: int
+) -> PiecePlan:
+    """The :class:`~kvstore.io.types.PiecePlan` of a raw dense array's blocks given as pieces
+    of ``geometry`` (one whose pieces tile their span: ``slot_of`` set), for files of
+    ``file_nbytes`` bytes whose index (``index``; empty for reads) lies at ``index_offset``."""
+    if geometry.slot_of is None or geometry.starts_array is None:
+        raise ValueError("piece plan: expected pieces that tile their span in whole chunks")
+    return PiecePlan(
+        file_nbytes=file_nbytes,
+        piece_nbytes=geometry.piece_nbytes,
+        starts=geometry.starts_array,
+        slot_of=geometry.slot_of,
+        chunk_nbytes=geometry.chunk_nbytes,
+        slots_offset=fmt.HEADER_FIXED_NBYTES,
+        index=index,
+        index_offset=index_offset,
+        alignment=ALIGN,
+    )
+
+
+@lru_cache(maxsize=16)
+def whole_geometry(block_nbytes: int, chunk_nbytes: int) -> PieceGeometry:
+    """A block given as one contiguous buffer, as the geometry of a single piece (so one
+    native batch call takes it: :func:`piece_plan`)."""
+    if block_nbytes <= 0 or block_nbytes % chunk_nbytes:
+        raise KvstoreError(
+            f"whole block: expected whole {chunk_nbytes}-byte chunks, got {block_nbytes} bytes"
+        )
+    starts = np.zeros(1, dtype=np.int64)
+    starts.flags.writeable = False
+    order = np.arange(block_nbytes // chunk_nbytes, dtype=np.int64)
+    order.flags.writeable = False
+    return PieceGeometry(
+        piece_nbytes=block_nbytes,
+        starts=(0,),
+        run=1,
+        run_stride=0,
+        extent=block_nbytes,
+        slices=(slice(0, block_nbytes),),
+        run_starts=(0,),
+        chunk_order=order,
+        chunk_nbytes=chunk_nbytes,
+        slot_of=order,
+        starts_array=starts,
+    )
+
+
+def batch_spans(
+    buffers: Sequence[object], block_nbytes: int, chunk_nbytes: int, *, whole: bool, writable: bool
+) -> tuple[PieceGeometry, list[memoryview]] | None:
+    """The geometry and the spans of a batch of blocks that one native call can take
+    (:func:`piece_plan`): every block pieces of one geometry that tiles its span in whole
+    chunks (a strided numpy view) or, with ``whole``, one contiguous host buffer of exactly
+    ``block_nbytes`` bytes (``writable``: reads). None for any other batch: the caller takes
+    its blocks one by one, and reports what is wrong with each."""
+    geometry: PieceGeometry | None = None
+    spans: list[memoryview] = []
+    for data in buffers:
+        span = contiguous_span(data, block_nbytes, writable) if whole else None
+        if span is not None:
+            kind = whole_geometry(block_nbytes, chunk_nbytes)
+        else:
+            pieces = _strided_pieces(data, block_nbytes, chunk_nbytes, writable)
+            if pieces is None:
+                return None
+            kind, span = pieces.geometry, pieces.span
+        if geometry is not None and kind is not geometry:
+            return None
+        geometry = kind
+        spans.append(span)
+    if geometry is None or geometry.slot_of is None or geometry.chunk_nbytes != chunk_nbytes:
+        return None
+    return geometry, spans
+
+
+def _strided_pieces(
+    data: object, block_nbytes: int, chunk_nbytes: int, writable: bool
+) -> BlockPieces | None:
+    if type(data) is not np.ndarray or data.flags.c_contiguous:
+        return None
+    if writable and not data.flags.writeable:
+        return None
+    try:
+        return block_pieces(data, block_nbytes, chunk_nbytes)
+    except KvstoreError:
+        return None
+
+
+def contiguous_span(data: object, nbytes: int, writable: bool) -> memoryview | None:
+    """``data``'s bytes when it is host memory (a C-contiguous numpy array or a memoryview)
+    of exactly ``nbytes`` bytes (writable if asked); None for anything else."""
+    if type(data) is np.ndarray:
+        if not data.flags.c_contiguous or (writable and not data.flags.writeable):
+            return None
+        return data.reshape(-1).view(np.uint8).data if data.nbytes == nbytes else None
+    if type(data) is memoryview and data.c_contiguous and data.nbytes == nbytes:
+        if writable and data.readonly:
+            return None
+        return data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    return None

@@ -37,14 +37,14 @@ from kvstore.errors import KvstoreError
 from kvstore.io.buffers import ThreadStaging, aligned_buffer
 from kvstore.io.engine import AnySegment, Data
 from kvstore.io.entries import FileId, file_id, remove_if_same
-from kvstore.io.fileio import sync_parents
-from kvstore.io.host import HostEngine
-from kvstore.io.types import Hashing, Segment
+from kvstore.io.fileio import O_DIRECT, sync_parents
+from kvstore.io.host import NEW_FILE_FLAGS, HostEngine
+from kvstore.io.types import ALREADY_THERE, PUBLISHED, Hashing, PieceBlock, PiecePlan, Segment
 from kvstore.keys import check_hash
 from kvstore.store import format as fmt
 from kvstore.store.array import GroupArray, short_hash
 from kvstore.store.paths import ZARR_JSON, final_path_of, temp_path_for
-from kvstore.store.pieces import BlockPieces, block_pieces
+from kvstore.store.pieces import BlockPieces, PlanCache, batch_spans, block_pieces
 from kvstore.store.segments import engine_data, host_segments, nbytes
 from kvstore.store.types import BlockWrite, WriteResult, WriteStatus
 
@@ -132,6 +132,18 @@ class Publisher:
             and isinstance(array.engine, HostEngine)
             and sys.byteorder == "little"
         )
+        # Batches of blocks given as pieces (the vLLM tier's rows) are written and named in
+        # one native call per I/O thread where the store is not durable (_publish_pieces).
+        self._piece_batches = (
+            layout.dense
+            and array.compressed is None
+            and array.checksum_algo == XXH3_64
+            and isinstance(array.engine, HostEngine)
+            and not array.engine.config.durable
+            and self._fio.native_piece_batches
+        )
+        self._batch_headers = ThreadStaging()
+        self._piece_plans = PlanCache(layout.file_nbytes, self._index, layout.data_end)
 
     # -- whole blocks ------------------------------------------------------------------------
 
@@ -154,6 +166,9 @@ class Publisher:
         """
         self.array.check_writable()
         engine = self.array.engine
+        batched = self._publish_pieces(writes) if self._piece_batches else None
+        if batched is not None:
+            return self.finish_writes(batched, [w.block_hash for w in writes])
         durable = engine.config.durable
         results: list[Published | BaseException] = []
         held: list[Written] = []
@@ -170,6 +185,82 @@ class Publisher:
             return self.finish_writes(results, [w.block_hash for w in writes])
         finally:
             self._close_all(held)
+
+    def _publish_pieces(
+        self, writes: Sequence[BlockWrite]
+    ) -> list[Published | BaseException] | None:
+        """:meth:`write_blocks` of a store without durability whose blocks are all given as
+        pieces of one geometry that tiles its span in whole chunks (the vLLM tier's rows):
+        each I/O thread writes and names its share of the batch in one native call
+        (:meth:`FileIO.publish_pieces <kvstore.io.fileio.FileIO.publish_pieces>`: the GIL
+        released from the first block to the last), so a block costs its header's packing
+        here instead of a dozen Python calls. Same files as :meth:`_write_one` and
+        :meth:`_publish`; a block the call could not publish (a missing fan-out directory, a
+        full disk, anything but a regular file at its name) goes through those two, which
+        recover or report it in their words. None: not such a batch (the caller writes it
+        step by step)."""
+        batch = self._piece_batch(writes)
+        if batch is None:
+            return None
+        plan, spans = batch
+        array = self.array
+        hn = array.layout.header_nbytes
+        headers = self._batch_headers.get(len(writes) * hn)
+        now = time.time_ns()
+        blocks: list[PieceBlock] = []
+        results: list[Published | BaseException | None] = [None] * len(writes)
+        at: list[int] = []  # the position in writes of each of blocks
+        for i, req in enumerate(writes):
+            try:
+                block_hash = check_hash(req.block_hash)
+                final = array.block_path(block_hash)
+                header = headers[i * hn : (i + 1) * hn].data
+                self._pack_fixed(header, block_hash, req.parent_hash, now)
+            except Exception as exc:  # as HostEngine.map reports it: this block's result
+                results[i] = exc
+                continue
+            blocks.append((temp_path_for(final, new_token()), final, header, spans[i]))
+            at.append(i)
+        engine = array.engine
+        assert isinstance(engine, HostEngine)  # _piece_batches says so
+        flags = NEW_FILE_FLAGS | (O_DIRECT if engine.direct.enabled else 0)
+        mode = engine.config.file_mode
+        codes = engine.map_batches(
+            lambda part: self._fio.publish_pieces(part, flags, mode, plan), blocks
+        )
+        for i, block, code in zip(at, blocks, codes, strict=True):
+            results[i] = self._piece_outcome(writes[i], block[1], code)
+        return cast("list[Published | BaseException]", results)
+
+    def _piece_batch(
+        self, writes: Sequence[BlockWrite]
+    ) -> tuple[PiecePlan, list[memoryview]] | None:
+        """The plan and the spans of a batch :meth:`_publish_pieces` takes, or None. Blocks
+        in one buffer each are taken where they are small: larger ones are hashed group by
+        group as they are written (:meth:`_write_hashed`), which keeps them in the CPU cache."""
+        layout = self.array.layout
+        batch = batch_spans(
+            [w.data for w in writes],
+            layout.block_nbytes,
+            layout.chunk_nbytes,
+            whole=layout.block_nbytes < _HASHED_WRITE_MIN_NBYTES,
+            writable=False,
+        )
+        if batch is None:
+            return None
+        geometry, spans = batch
+        return self._piece_plans.plan(geometry), spans
+
+    def _piece_outcome(self, req: BlockWrite, final: str, code: int) -> Published | BaseException:
+        """A block's result from its :meth:`FileIO.publish_pieces` outcome ``code``."""
+        if code == PUBLISHED:
+            return WriteStatus.WRITTEN, final.rpartition(os.sep)[0], None
+        if code == ALREADY_THERE:
+            return WriteStatus.EXISTS, None, None
+        try:  # the step-by-step path recovers (a lost fan-out directory) or reports it
+            return self._publish(self._write_one(req))
+        except Exception as exc:  # as HostEngine.map reports it: this block's result
+            return exc
 
     def _write_one(self, req: BlockWrite) -> Written | None:
         """First pass of :meth:`write_blocks`: the block's temporary file, written but not

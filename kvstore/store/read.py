@@ -34,20 +34,20 @@ from typing import cast
 import numpy as np
 import torch
 
-from kvstore.checksum import DEVICE_ALGOS, NAMES
+from kvstore.checksum import DEVICE_ALGOS, NAMES, XXH3_64
 from kvstore.errors import BlockMissingError, CorruptBlockError, EntryKindError, KvstoreError
 from kvstore.io.buffers import ThreadStaging, is_aligned
 from kvstore.io.engine import AnySegment, Data
 from kvstore.io.entries import FileId, move_if_same, remove_if_same
 from kvstore.io.host import HostEngine
-from kvstore.io.types import Hashing, Segment
+from kvstore.io.types import VERIFIED, Hashing, PiecePlan, Segment
 from kvstore.keys import check_hash, hash_coords
 from kvstore.store import check
 from kvstore.store import format as fmt
 from kvstore.store.array import GroupArray, short_hash
 from kvstore.store.format import BlockHeader
 from kvstore.store.paths import held_block_name
-from kvstore.store.pieces import BlockPieces, block_pieces
+from kvstore.store.pieces import BlockPieces, PlanCache, batch_spans, block_pieces
 from kvstore.store.segments import byte_view, chunk_segments, host_segments, tensor_bytes
 from kvstore.store.types import BlockRead, ReadResult, ReadStatus
 
@@ -111,10 +111,26 @@ class Reader:
         self._touches = bool(self._access_granularity_ns) and not array.read_only
         self._block_nbytes = layout.block_nbytes
         self._file_nbytes = layout.file_nbytes
+        # Batches of whole blocks read into pieces (the vLLM tier's rows) are read and
+        # verified in one native call per I/O thread (_read_pieces).
+        self._piece_reads = (
+            type(engine) is HostEngine
+            and self._raw_whole
+            and layout.dense
+            and array.verify_reads
+            and array.checksum_algo == XXH3_64  # what the batch verifies (others: read again)
+            and _LITTLE_ENDIAN
+            and self._fio.native_piece_batches
+        )
+        # ... and of small whole blocks read into host memory, unless those are read O_DIRECT.
+        self._small_batch = self._small_whole and not self._direct_reads
+        self._batch_headers = ThreadStaging()
+        self._piece_plans = PlanCache(layout.file_nbytes, memoryview(b""), layout.file_nbytes)
 
     def read_blocks(self, reads: Sequence[BlockRead]) -> list[ReadResult]:
         """Read and verify blocks into the callers' buffers; failures are misses."""
-        outcomes = self.array.engine.map(self._read_one, reads)
+        batched = self._read_pieces(reads) if self._piece_reads else None
+        outcomes = self.array.engine.map(self._read_one, reads) if batched is None else batched
         results: list[ReadResult] = []
         hits = misses = corrupt = errors = total = 0
         for outcome, req in zip(outcomes, reads, strict=True):
@@ -134,6 +150,80 @@ class Reader:
             hits=hits, misses=misses, corrupt=corrupt, read_errors=errors, bytes_read=total
         )
         return results
+
+    def _read_pieces(self, reads: Sequence[BlockRead]) -> list[int | BaseException] | None:
+        """:meth:`read_blocks` of whole blocks all read into pieces of one geometry that tiles
+        its span in whole chunks (the vLLM tier's rows): each I/O thread reads and verifies
+        its share of the batch in one native call (:meth:`FileIO.read_pieces
+        <kvstore.io.fileio.FileIO.read_pieces>`: the GIL released from the first block to the
+        last), and only the header's fields are checked here (:func:`check.header_algo`).
+        Same checks as :meth:`_read_into_pieces`; a block that fails any of them (missing,
+        not regular, short, corrupt, another algorithm than xxh3) is read again by
+        :meth:`_read_one`, which names, counts and quarantines what is wrong. None: not such
+        a batch (the caller reads it block by block)."""
+        batch = self._piece_batch(reads)
+        if batch is None:
+            return None
+        plan, spans = batch
+        array = self.array
+        hn = array.layout.header_nbytes
+        headers = self._batch_headers.get(len(reads) * hn)
+        blocks: list[tuple[str, memoryview, memoryview]] = []
+        hashes: list[bytes] = []
+        at: list[int] = []  # the position in reads of each of blocks
+        outcomes: list[int | BaseException | None] = [None] * len(reads)
+        for i, req in enumerate(reads):
+            try:
+                block_hash = check_hash(req.block_hash)
+                path = array.block_path(block_hash)
+            except Exception as exc:  # as HostEngine.map reports it: this block's outcome
+                outcomes[i] = exc
+                continue
+            blocks.append((path, headers[i * hn : (i + 1) * hn].data, spans[i]))
+            hashes.append(block_hash)
+            at.append(i)
+        touch_before = time.time_ns() - self._access_granularity_ns if self._touches else 0
+        engine = array.engine
+        assert isinstance(engine, HostEngine)  # _piece_reads says so
+        codes = engine.map_batches(
+            lambda part: self._fio.read_pieces(part, hn, plan, touch_before), blocks
+        )
+        for i, block, block_hash, code in zip(at, blocks, hashes, codes, strict=True):
+            outcomes[i] = self._piece_outcome(reads[i], block[1], block_hash, code)
+        return cast("list[int | BaseException]", outcomes)
+
+    def _piece_batch(self, reads: Sequence[BlockRead]) -> tuple[PiecePlan, list[memoryview]] | None:
+        """The plan and the spans of a batch :meth:`_read_pieces` takes, or None: whole
+        blocks into pieces, or into one buffer each where :meth:`_read_small_whole` would
+        read them."""
+        if any(req.chunks is not None for req in reads):
+            return None
+        batch = batch_spans(
+            [req.out for req in reads],
+            self._block_nbytes,
+            self.array.layout.chunk_nbytes,
+            whole=self._small_batch,
+            writable=True,
+        )
+        if batch is None:
+            return None
+        geometry, spans = batch
+        return self._piece_plans.plan(geometry), spans
+
+    def _piece_outcome(
+        self, req: BlockRead, header: memoryview, block_hash: bytes, code: int
+    ) -> int | BaseException:
+        """A block's outcome (its bytes, or the exception) from its read_pieces ``code``."""
+        if code == VERIFIED:
+            try:
+                if check.header_algo(header, self.array.shard, block_hash) == XXH3_64:
+                    return self._block_nbytes
+            except CorruptBlockError:
+                pass  # _read_one reads it again and reports it
+        try:
+            return self._read_one(req)
+        except Exception as exc:  # as HostEngine.map reports it: this block's outcome
+            return exc
 
     def _read_one(self, req: BlockRead) -> int:  # noqa: PLR0912, PLR0915 - one verified read: buffer checks, engine choice, verify, quarantine on a bad file, copy-out; each step commented
         array = self.array
