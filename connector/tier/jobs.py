@@ -54,15 +54,30 @@ class JobRunner:
         self._parts: dict[int, _JobParts] = {}
 
     def submit(self, job_id: int, is_load: bool, parts: Sequence[Callable[[], Outcome]]) -> None:
-        """Run ``parts`` on the pool of their kind (non-blocking); an empty job finishes now."""
+        """Run ``parts`` on the pool of their kind (non-blocking); an empty job finishes now.
+
+        The caller (vLLM's scheduler thread) hands the pool one task: that task submits the
+        job's other parts and runs the first. Submitting every part from here cost the
+        scheduler ~3 ms per 256-block promotion (8 parts: each woken pool thread takes the
+        GIL from it), against 0.5 ms for vLLM's fs tier (tier suite, 1 ms steps)."""
         with self._idle:
             self._in_flight += 1
             self._parts[job_id] = _JobParts(len(parts), time.monotonic())
         if not parts:
             self._finish(job_id)
+            return
         pool = self._loads if is_load else self._stores
-        for work in parts:
-            pool.submit(self._run, job_id, work)
+        pool.submit(self._fan_out, pool, job_id, parts)
+
+    def _fan_out(
+        self, pool: ThreadPoolExecutor, job_id: int, parts: Sequence[Callable[[], Outcome]]
+    ) -> None:
+        for work in parts[1:]:
+            try:
+                pool.submit(self._run, job_id, work)
+            except RuntimeError:  # the pool is shutting down: run it here, so the job ends
+                self._run(job_id, work)
+        self._run(job_id, parts[0])
 
     def _run(self, job_id: int, work: Callable[[], Outcome]) -> None:
         outcome: Outcome | None

@@ -7,7 +7,9 @@ Driven like tests/connector/test_tier.py (vLLM 0.33's real Scheduler and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import threading
 from pathlib import Path
 from typing import Any, cast
 
@@ -181,6 +183,27 @@ def test_a_job_part_that_raises_fails_only_its_keys(caplog: pytest.LogCaptureFix
     assert done[1].outcome == Outcome(frozenset({b"a"}), 10)
     assert done[2].outcome == Outcome(frozenset(), 0)
     assert any("job 1 failed" in r.getMessage() for r in caplog.records)
+    runner.shutdown()
+
+
+def test_a_jobs_parts_run_on_the_pool_concurrently_never_on_the_submitting_thread() -> None:
+    """submit (vLLM's scheduler thread) hands the pool one task, which submits the job's
+    other parts and runs the first: every part runs on a pool thread, two of them at once
+    (a barrier of two parts passes with two load threads), and the job ends once."""
+    runner = JobRunner(load_threads=2, store_threads=2)
+    barrier = threading.Barrier(2, timeout=30)
+    threads: list[int] = []
+
+    def part(key: bytes) -> Outcome:
+        threads.append(threading.get_ident())
+        barrier.wait()
+        return Outcome(frozenset({key}), 1)
+
+    runner.submit(7, True, [functools.partial(part, k) for k in (b"a", b"b", b"c", b"d")])
+    runner.wait_idle()
+    (done,) = runner.finished()
+    assert done.job_id == 7 and done.outcome == Outcome(frozenset({b"a", b"b", b"c", b"d"}), 4)
+    assert len(threads) == 4 and threading.get_ident() not in threads
     runner.shutdown()
 
 
