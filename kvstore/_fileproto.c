@@ -60,21 +60,38 @@ release_segments(segment *segs, Py_ssize_t n)
     PyMem_Free(segs);
 }
 
+/* ``obj`` as a fast sequence (*seq, a new reference; *n items) and a zeroed array of one
+ * ``item_size`` slot per item (at least one), for the caller to fill and PyMem_Free. NULL
+ * with TypeError (``what``) or MemoryError, and nothing held, otherwise. */
+static void *
+sequence_slots(PyObject *obj, const char *what, size_t item_size, PyObject **seq,
+               Py_ssize_t *n)
+{
+    *seq = PySequence_Fast(obj, what);
+    if (*seq == NULL) {
+        return NULL;
+    }
+    *n = PySequence_Fast_GET_SIZE(*seq);
+    void *slots = PyMem_Calloc(*n > 0 ? (size_t)*n : 1, item_size);
+    if (slots == NULL) {
+        Py_CLEAR(*seq);
+        PyErr_NoMemory();
+    }
+    return slots;
+}
+
 /* Acquire ``obj``, a sequence of (offset, buffer) pairs in file order, as segments (writable
  * buffers when ``writable``). NULL with an exception set on bad input; *count is set. */
 static segment *
 acquire_segments(PyObject *obj, int writable, Py_ssize_t *count)
 {
-    PyObject *seq = PySequence_Fast(obj, "file protocol: expected segments as a sequence of "
-                                         "(offset, buffer) pairs");
-    if (seq == NULL) {
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    segment *segs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(segment));
+    PyObject *seq;
+    Py_ssize_t n;
+    segment *segs = sequence_slots(obj,
+                                   "file protocol: expected segments as a sequence of "
+                                   "(offset, buffer) pairs",
+                                   sizeof(segment), &seq, &n);
     if (segs == NULL) {
-        Py_DECREF(seq);
-        PyErr_NoMemory();
         return NULL;
     }
     Py_ssize_t got = 0;
@@ -1041,16 +1058,12 @@ acquire_piece_blocks(PyObject *items_obj, const piece_plan *p, int reading, Py_s
     const char *call = reading ? "read_pieces" : "publish_pieces";
     const char *shape = reading ? "(path, header, span)" : "(tmp, final, header, span)";
     Py_ssize_t size = reading ? 3 : 4;
-    PyObject *seq = PySequence_Fast(items_obj, "file protocol: expected the blocks as a "
-                                               "sequence of tuples");
-    if (seq == NULL) {
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    piece_block *blocks = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(piece_block));
+    PyObject *seq;
+    Py_ssize_t n;
+    piece_block *blocks = sequence_slots(
+        items_obj, "file protocol: expected the blocks as a sequence of tuples",
+        sizeof(piece_block), &seq, &n);
     if (blocks == NULL) {
-        Py_DECREF(seq);
-        PyErr_NoMemory();
         return NULL;
     }
     Py_ssize_t span_nbytes = p->npieces * p->piece_nbytes;

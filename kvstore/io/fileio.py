@@ -526,6 +526,15 @@ class FileIO:
             and native_xxh3_capsule() is not None
         )
 
+    def _piece_batch_binding(self, call: str) -> tuple[NativeFileProto, object]:
+        """The extension and the xxh3 capsule a piece batch runs with; RuntimeError naming
+        ``call`` where :attr:`native_piece_batches` is false."""
+        native = native_fileproto()
+        xxh3 = native_xxh3_capsule()
+        if not self.native_piece_batches or native is None or xxh3 is None:
+            raise RuntimeError(f"{call}: runs only natively, for the plain FileIO")
+        return native, xxh3
+
     def publish_pieces(
         self, blocks: Sequence[PieceBlock], flags: int, mode: int, plan: PiecePlan
     ) -> list[int]:
@@ -544,10 +553,7 @@ class FileIO:
         with ``tmp`` removed: the caller takes that block through those methods one by one
         (they are the reference, and report the failure in their words). No sync: for
         stores without durability."""
-        native = native_fileproto()
-        xxh3 = native_xxh3_capsule()
-        if not self.native_piece_batches or native is None or xxh3 is None:
-            raise RuntimeError("publish_pieces: runs only natively, for the plain FileIO")
+        native, xxh3 = self._piece_batch_binding("publish_pieces")
         return native.publish_pieces(
             blocks,
             flags,
@@ -582,10 +588,7 @@ class FileIO:
         is ``-errno`` (``-EBADMSG``: not regular, wrong size, short, or a checksum differs):
         the caller reads that block again through its reference path, which names and
         quarantines what is wrong. The header's other fields are the caller's to check."""
-        native = native_fileproto()
-        xxh3 = native_xxh3_capsule()
-        if not self.native_piece_batches or native is None or xxh3 is None:
-            raise RuntimeError("read_pieces: runs only natively, for the plain FileIO")
+        native, xxh3 = self._piece_batch_binding("read_pieces")
         return native.read_pieces(
             blocks,
             os.O_RDONLY,
