@@ -885,8 +885,9 @@ release_piece_blocks(piece_block *blocks, Py_ssize_t n)
     PyMem_Free(blocks);
 }
 
-/* Whether every byte a block's O_DIRECT write sends from memory is aligned: the header and
- * every piece, in address and length (the index goes buffered after them). */
+/* Whether every byte a block's O_DIRECT write sends from memory, or its O_DIRECT read
+ * fills, is aligned: the header and every piece, in address and length (so are their file
+ * offsets; a write's index goes buffered after them, a read leaves the index unread). */
 static int
 piece_block_aligned(const piece_plan *p, const piece_block *b)
 {
@@ -1135,9 +1136,12 @@ read_piece_block(const piece_plan *p, piece_block *b, segment *segs, long long t
         segs[n].view.buf = span + p->starts[k];
         segs[n].view.len = p->piece_nbytes;
     }
+    /* O_DIRECT (the store's direct_reads) only where every byte read lands aligned */
+    int flags = (p->flags & O_DIRECT) && piece_block_aligned(p, b) ? p->flags
+                                                                    : p->flags & ~O_DIRECT;
     int fd;
     do {
-        fd = open(path, p->flags | OPEN_FLAGS);
+        fd = open(path, flags | OPEN_FLAGS);
     } while (fd < 0 && errno == EINTR);
     if (fd < 0) {
         return -errno;
@@ -1290,12 +1294,12 @@ fileproto_read_pieces(PyObject *Py_UNUSED(module), PyObject *args)
     long long touch_ns;
     piece_plan p;
     memset(&p, 0, sizeof p);
-    if (!PyArg_ParseTuple(args, "OinnnOOnnLO:read_pieces", &items_obj, &p.flags, &p.file_nbytes,
-                          &header_nbytes, &p.piece_nbytes, &starts_obj, &slot_obj,
-                          &p.chunk_nbytes, &p.slots_offset, &touch_ns, &capsule)) {
+    if (!PyArg_ParseTuple(args, "OinnnOOnnLnO:read_pieces", &items_obj, &p.flags,
+                          &p.file_nbytes, &header_nbytes, &p.piece_nbytes, &starts_obj,
+                          &slot_obj, &p.chunk_nbytes, &p.slots_offset, &touch_ns, &p.alignment,
+                          &capsule)) {
         return NULL;
     }
-    p.alignment = 1; /* unused: reads are buffered */
     Py_buffer starts_view, slot_view;
     if (parse_piece_geometry(&p, starts_obj, slot_obj, capsule, &starts_view, &slot_view) < 0) {
         return NULL;

@@ -83,6 +83,7 @@ def read_pieces(
     chunk_nbytes: int,
     slots_offset: int,
     touch_if_older_than_ns: int,
+    alignment: int,
     xxh3: object,
     /,
 ) -> list[int]: ...

@@ -576,6 +576,7 @@ class FileIO:
         header_nbytes: int,
         plan: PiecePlan,
         touch_if_older_than_ns: int,
+        direct: bool = False,
     ) -> list[int]:
         """Read whole raw dense blocks into pieces and verify them (:class:`PiecePlan`: the
         index is not read), in one native call with the GIL released for the whole batch
@@ -587,11 +588,13 @@ class FileIO:
         chunk's xxh3 against its slot in the header read: :data:`VERIFIED`. Any other outcome
         is ``-errno`` (``-EBADMSG``: not regular, wrong size, short, or a checksum differs):
         the caller reads that block again through its reference path, which names and
-        quarantines what is wrong. The header's other fields are the caller's to check."""
+        quarantines what is wrong. The header's other fields are the caller's to check.
+        ``direct``: open with O_DIRECT each block whose header and pieces are aligned to
+        ``plan.alignment`` in address and length (the others buffered)."""
         native, xxh3 = self._piece_batch_binding("read_pieces")
         return native.read_pieces(
             blocks,
-            os.O_RDONLY,
+            os.O_RDONLY | (O_DIRECT if direct else 0),
             plan.file_nbytes,
             header_nbytes,
             plan.piece_nbytes,
@@ -600,6 +603,7 @@ class FileIO:
             plan.chunk_nbytes,
             plan.slots_offset,
             touch_if_older_than_ns,
+            plan.alignment,
             xxh3,
         )
 

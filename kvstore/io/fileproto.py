@@ -108,6 +108,7 @@ class NativeFileProto(Protocol):
         chunk_nbytes: int,
         slots_offset: int,
         touch_if_older_than_ns: int,
+        alignment: int,
         xxh3: object,
         /,
     ) -> list[int]: ...

@@ -186,7 +186,10 @@ class Reader:
         engine = array.engine
         assert isinstance(engine, HostEngine)  # _piece_reads says so
         codes = engine.map_batches(
-            lambda part: self._fio.read_pieces(part, hn, plan, touch_before), blocks
+            lambda part: self._fio.read_pieces(
+                part, hn, plan, touch_before, direct=self._direct_reads
+            ),
+            blocks,
         )
         for i, block, block_hash, code in zip(at, blocks, hashes, codes, strict=True):
             outcomes[i] = self._piece_outcome(reads[i], block[1], block_hash, code)

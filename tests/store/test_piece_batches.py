@@ -6,6 +6,7 @@ the block-by-block path, which every block the batch cannot finish goes through.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvstore import Identity
+from kvstore.io.buffers import aligned_buffer
 from kvstore.io.fileio import FileIO
 from kvstore.io.fileproto import native_fileproto
 from kvstore.store.format import ShardLayout
@@ -65,16 +67,17 @@ def _identity() -> Identity:
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts of the batch calls (blocks handed to each)."""
-    counts = {"publish": 0, "read": 0}
+    counts = {"publish": 0, "read": 0, "read direct": 0}
     publish, read = FileIO.publish_pieces, FileIO.read_pieces
 
     def publish_spy(self: FileIO, blocks: Any, *args: Any) -> Any:
         counts["publish"] += len(blocks)
         return publish(self, blocks, *args)
 
-    def read_spy(self: FileIO, blocks: Any, *args: Any) -> Any:
+    def read_spy(self: FileIO, blocks: Any, *args: Any, **kwargs: Any) -> Any:
         counts["read"] += len(blocks)
-        return read(self, blocks, *args)
+        counts["read direct"] += len(blocks) if kwargs.get("direct") else 0
+        return read(self, blocks, *args, **kwargs)
 
     monkeypatch.setattr(FileIO, "publish_pieces", publish_spy)
     monkeypatch.setattr(FileIO, "read_pieces", read_spy)
@@ -330,3 +333,82 @@ def test_a_batch_call_that_raises_leaves_its_blocks_to_the_block_by_block_path(
         assert np.array_equal(np.ascontiguousarray(target).reshape(-1), canon)
     refused = [r for r in caplog.records if "go one by one" in r.getMessage()]
     assert len(refused) == 2 and "refused for the test" in refused[0].getMessage()
+
+
+def _cached_pages(path: Path) -> int:
+    """How many of ``path``'s pages are in the page cache (mincore of a private mapping that
+    is never touched; a probing read would start readahead itself)."""
+    import ctypes  # noqa: PLC0415 - this test's probe only
+    import mmap  # noqa: PLC0415
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    nbytes = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapping = mmap.mmap(
+            fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    finally:
+        os.close(fd)
+    vec = (ctypes.c_ubyte * (-(-nbytes // mmap.PAGESIZE)))()
+    first = ctypes.c_char.from_buffer(mapping)
+    try:
+        if libc.mincore(ctypes.addressof(first), nbytes, vec) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore {path}")
+    finally:
+        del first
+        mapping.close()
+    return sum(v & 1 for v in vec)
+
+
+def _drop_cached(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_direct_reads_read_a_batch_with_o_direct(
+    make_store: StoreFactory, tmp_path: Path, calls: dict[str, int]
+) -> None:
+    """With ``direct_reads`` a batch of aligned rows is read with O_DIRECT: verified,
+    byte-exact, and nothing of the files left in the page cache (the buffered read of the
+    same batch, the control, leaves them there)."""
+    if not hasattr(os, "O_DIRECT") or not sys.platform.startswith("linux"):
+        pytest.skip("O_DIRECT and mincore: Linux only")
+    root = tmp_path / "store"
+    writer = _group(make_store, root, direct_io="on")
+    layout = writer.layout
+    canons = [block_bytes(layout, seed) for seed in range(N)]
+    hashes = [block_hash(seed, "direct") for seed in range(N)]
+    writer.write_blocks([BlockWrite(h, c, None) for h, c in zip(hashes, canons, strict=True)])
+    paths = shard_files(root)
+    assert len(paths) == N
+
+    def aligned_rows() -> np.ndarray:
+        n, size = layout.num_chunks, layout.chunk_nbytes
+        memory = aligned_buffer(n * size).reshape(2, n // 2, size)
+        return memory.transpose(1, 0, 2)  # whole chunks permuted, as _rows' "transposed"
+
+    for direct in (False, True):
+        reader = _group(make_store, root, direct_io="on", direct_reads=direct)
+        for path in paths:
+            _drop_cached(path)
+        if any(_cached_pages(p) for p in paths):
+            pytest.skip("this file system keeps dropped pages cached (tmpfs?)")
+        targets = [aligned_rows() for _ in hashes]
+        got = reader.read_blocks([BlockRead(h, t) for h, t in zip(hashes, targets, strict=True)])
+        assert [r.status for r in got] == [ReadStatus.HIT] * N
+        for target, canon in zip(targets, canons, strict=True):
+            assert np.array_equal(np.ascontiguousarray(target).reshape(-1), canon)
+        assert calls["read direct"] == (N if direct else 0)
+        # buffered: the header and the pieces at least (readahead may take the index too)
+        data_pages = (layout.file_nbytes - layout.index_nbytes) // 4096
+        cached = [_cached_pages(p) for p in paths]
+        if direct:
+            assert cached == [0] * N, f"direct_reads=True: pages cached {cached}"
+        else:
+            assert min(cached) >= data_pages, f"direct_reads=False: pages cached {cached}"
