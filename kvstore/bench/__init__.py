@@ -157,6 +157,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="1000,64000",
         help="tier suite: stored-block counts at which lookups are timed (comma list)",
     )
+    parser.add_argument(
+        "--tier-slice",
+        type=int,
+        default=None,
+        help="tier suite: the systems take turns every N blocks (default: one after the other)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--markdown", type=Path, default=None, help="write a markdown page (and PNGs next to it)"
@@ -365,7 +371,11 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "compression": _run_compression,
     "overhead": _run_overhead,
     "tier": lambda args, base: tier.run(
-        base / "tier", _names(args.models)[0], args.gib, _ints(args.tier_lookup_blocks)
+        base / "tier",
+        _names(args.models)[0],
+        args.gib,
+        _ints(args.tier_lookup_blocks),
+        slice_blocks=args.tier_slice,
     ),
 }
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {

@@ -37,7 +37,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +243,79 @@ def _throughput(  # noqa: PLR0913 - model and size, then where
     }
 
 
+def _rotated(systems: Sequence[str], k: int) -> list[str]:
+    return [*systems[k % len(systems) :], *systems[: k % len(systems)]]
+
+
+def _taking_turns(  # noqa: PLR0913 - model and size, then where, then how
+    model: str,
+    n_blocks: int,
+    base: Path,
+    order: Sequence[str],
+    blocks: Sequence[np.ndarray],
+    geo: Any,
+    slice_blocks: int,
+) -> dict[str, dict[str, Any]]:
+    """One round of ``run(slice_blocks=...)``: every system in ``order`` stores the same keys,
+    then (after a restart) promotes them, the systems taking turns every ``slice_blocks``
+    blocks (who goes first rotates from turn to turn), so that they meet the disk at the
+    same times. A system's time is the sum of its turns (each drained before the next)."""
+    from vllm.v1.kv_offload.base import LookupResult  # noqa: PLC0415
+
+    roots = {s: base / s.replace(" ", "-") for s in order}
+    for root in roots.values():
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+    heads, layers, head_dim = geo
+    keys = _keys(n_blocks, 1)
+    slices = [keys[i : i + slice_blocks] for i in range(0, n_blocks, slice_blocks)]
+    store_s = dict.fromkeys(order, 0.0)
+    store_cpu = dict.fromkeys(order, 0.0)
+    with ExitStack() as stack:
+        managers = {
+            s: stack.enter_context(_tiering(model, heads, layers, head_dim, roots[s], s, n_blocks))
+            for s in order
+        }
+        for k, keys_k in enumerate(slices):
+            for s in _rotated(order, k):
+                seconds, cpu = _store(managers[s], keys_k, blocks)
+                store_s[s] += seconds
+                store_cpu[s] += cpu
+    first_hit_ms: dict[str, float] = {}
+    promote_s = dict.fromkeys(order, 0.0)
+    with ExitStack() as stack:  # a restart: new managers and tiers over the same files
+        managers = {}
+        for s in order:
+            drop_cache(roots[s])
+            start = time.perf_counter()
+            managers[s] = stack.enter_context(
+                _tiering(model, heads, layers, head_dim, roots[s], s, n_blocks)
+            )
+            _resolve(managers[s], keys[:1], {LookupResult.HIT})
+            first_hit_ms[s] = (time.perf_counter() - start) * 1e3
+        for root in roots.values():
+            drop_cache(root)
+        rest = keys[1:]
+        for k, first in enumerate(range(0, len(rest), slice_blocks)):
+            for s in _rotated(order, k):
+                part = rest[first : first + slice_blocks]
+                seconds, _ = _resolve(managers[s], part, {LookupResult.HIT})
+                promote_s[s] += seconds
+    for root in roots.values():
+        shutil.rmtree(root, ignore_errors=True)
+    nbytes = n_blocks * blocks[0].size
+    return {
+        s: {
+            "system": s,
+            "store_gbs": gbs(nbytes, store_s[s]),
+            "store_cpu_s_gb": store_cpu[s] / (nbytes / 1e9),
+            "promote_gbs": gbs(nbytes - blocks[0].size, promote_s[s]),
+            "first_hit_ms": first_hit_ms[s],
+        }
+        for s in order
+    }
+
+
 def _lookups(base: Path, system: str, size: int) -> dict[str, Any]:
     """Lookup latency in a tier holding ``size`` small blocks (1 layer, 1 head, 4 KiB)."""
     from vllm.v1.kv_offload.base import LookupResult  # noqa: PLC0415
@@ -273,12 +346,13 @@ def _lookups(base: Path, system: str, size: int) -> dict[str, Any]:
     }
 
 
-def run(
+def run(  # noqa: PLR0913 - where, what, how much, then how to measure
     base: Path,
     model: str,
     gib: float,
     sizes: Sequence[int] = (1000, 64000),
     rounds: int = ROUNDS,
+    slice_blocks: int | None = None,
 ) -> dict[str, Any]:
     """Every measurement for every system; ratios to the fs tier measured in the same round.
 
@@ -286,9 +360,13 @@ def run(
     round to round; a system's figures are the medians over the rounds, its ratios the medians
     of its per-round ratios (each round's ``rounds`` entry keeps them). One round on this
     2-core VM moved by 30-50 %, and the system measured first (or after another's writeback
-    on the VM disk) was handicapped in every run of a fixed order."""
+    on the VM disk) was handicapped in every run of a fixed order. ``slice_blocks``: instead
+    of one system after the other, the systems take turns every that many blocks
+    (:func:`_taking_turns`; docs/performance.md, tier "Sixth round", for what it showed)."""
     if rounds < 1:
         raise ValueError(f"tier rounds: expected at least 1, got {rounds}")
+    if slice_blocks is not None and slice_blocks < 1:
+        raise ValueError(f"tier slice_blocks: expected at least 1 block, got {slice_blocks}")
     geometry = load_model(model)
     group = geometry.groups[0]
     geo = (group.num_kv_heads, len(group.layer_ids), group.head_dim)
@@ -297,8 +375,11 @@ def run(
     base.mkdir(parents=True, exist_ok=True)
     per_round: list[dict[str, dict[str, Any]]] = []
     for k in range(rounds):
-        order = SYSTEMS[k % len(SYSTEMS) :] + SYSTEMS[: k % len(SYSTEMS)]
-        measured = {s: _throughput(model, n_blocks, base, s, blocks, geo) for s in order}
+        order = _rotated(SYSTEMS, k)
+        if slice_blocks is None:
+            measured = {s: _throughput(model, n_blocks, base, s, blocks, geo) for s in order}
+        else:
+            measured = _taking_turns(model, n_blocks, base, order, blocks, geo, slice_blocks)
         fs_round = measured["vllm fs"]
         for row in measured.values():
             row["store_x"] = row["store_gbs"] / fs_round["store_gbs"]

@@ -15,10 +15,13 @@ from kvstore.bench import tier  # imports vLLM only when run
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="the tier suite needs vLLM 0.33")
 
 
+@pytest.mark.parametrize("slice_blocks", [None, 3])  # one after the other; turns of 3 blocks
 def test_tier_suite_measures_every_system_against_the_fs_tier_of_the_same_run(
-    tmp_path: Path,
+    tmp_path: Path, slice_blocks: int | None
 ) -> None:
-    result = tier.run(tmp_path / "tier", "gemma-3-1b", gib=0, sizes=(16,), rounds=2)
+    result = tier.run(
+        tmp_path / "tier", "gemma-3-1b", gib=0, sizes=(16,), rounds=2, slice_blocks=slice_blocks
+    )
 
     assert result["model"] == "gemma-3-1b"
     assert result["blocks"] == 8  # the suite's floor: gib=0 still stores a few blocks
@@ -67,6 +70,11 @@ def test_tier_suite_measures_every_system_against_the_fs_tier_of_the_same_run(
         (line,) = [t for t in lookup_lines if t.startswith(system)]
         assert f"{r['hit_ms']:.1f}" in line, (system, line)
         assert f"{r['hit_x']:.2f}" in line and f"{r['miss_x']:.2f}" in line
+
+
+def test_turns_of_no_blocks_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="slice_blocks: expected at least 1 block, got 0"):
+        tier.run(tmp_path, "gemma-3-1b", gib=0, sizes=(), rounds=1, slice_blocks=0)
 
 
 def test_the_suite_leaves_no_region_file_in_dev_shm(tmp_path: Path) -> None:
