@@ -60,24 +60,57 @@ release_segments(segment *segs, Py_ssize_t n)
     PyMem_Free(segs);
 }
 
-/* ``obj`` as a fast sequence (*seq, a new reference; *n items) and a zeroed array of one
- * ``item_size`` slot per item (at least one), for the caller to fill and PyMem_Free. NULL
- * with TypeError (``what``) or MemoryError, and nothing held, otherwise. */
+/* ``obj`` snapshotted as a new tuple (*seq, a new reference; *n items) and a zeroed array of
+ * one ``item_size`` slot per item (at least one), for the caller to fill and PyMem_Free. The
+ * tuple holds every item for the call: a list the caller mutates meanwhile (from an item's
+ * __fspath__ or __index__) changes nothing here. NULL with TypeError (``what``) or
+ * MemoryError, and nothing held, otherwise. */
 static void *
 sequence_slots(PyObject *obj, const char *what, size_t item_size, PyObject **seq,
                Py_ssize_t *n)
 {
-    *seq = PySequence_Fast(obj, what);
+    *seq = PySequence_Tuple(obj);
     if (*seq == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Format(PyExc_TypeError, "%s, got %.200s", what, Py_TYPE(obj)->tp_name);
+        }
         return NULL;
     }
-    *n = PySequence_Fast_GET_SIZE(*seq);
+    *n = PyTuple_GET_SIZE(*seq);
     void *slots = PyMem_Calloc(*n > 0 ? (size_t)*n : 1, item_size);
     if (slots == NULL) {
         Py_CLEAR(*seq);
         PyErr_NoMemory();
     }
     return slots;
+}
+
+/* ``obj`` (any integer: int, numpy integers, anything with __index__) as a Py_ssize_t in
+ * *out; 0, or -1 with TypeError or OverflowError naming ``what`` (item ``i``). */
+static int
+index_arg(PyObject *obj, Py_ssize_t *out, const char *what, Py_ssize_t i)
+{
+    PyObject *number = PyNumber_Index(obj);
+    if (number == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Format(PyExc_TypeError,
+                         "file protocol: expected segment %zd's %s as an integer, got %.200s", i,
+                         what, Py_TYPE(obj)->tp_name);
+        }
+        return -1;
+    }
+    *out = PyLong_AsSsize_t(number);
+    if (*out == -1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Format(PyExc_OverflowError,
+                         "file protocol: expected segment %zd's %s below 2**63, got %S", i,
+                         what, number);
+        }
+        Py_DECREF(number);
+        return -1;
+    }
+    Py_DECREF(number);
+    return 0;
 }
 
 /* Acquire ``obj``, a sequence of (offset, buffer) pairs in file order, as segments (writable
@@ -96,7 +129,7 @@ acquire_segments(PyObject *obj, int writable, Py_ssize_t *count)
     }
     Py_ssize_t got = 0;
     for (; got < n; got++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, got);
+        PyObject *item = PyTuple_GET_ITEM(seq, got);
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
             PyErr_Format(PyExc_TypeError,
                          "file protocol: expected segment %zd as an (offset, buffer) pair, "
@@ -104,8 +137,8 @@ acquire_segments(PyObject *obj, int writable, Py_ssize_t *count)
                          got, Py_TYPE(item)->tp_name);
             goto fail;
         }
-        Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 0));
-        if (offset == -1 && PyErr_Occurred()) {
+        Py_ssize_t offset;
+        if (index_arg(PyTuple_GET_ITEM(item, 0), &offset, "offset", got) < 0) {
             goto fail;
         }
         if (offset < 0) {
@@ -130,6 +163,15 @@ acquire_segments(PyObject *obj, int writable, Py_ssize_t *count)
             goto fail;
         }
         segs[got].offset = offset;
+        Py_ssize_t end;
+        if (__builtin_add_overflow(offset, segs[got].view.len, &end)) {
+            PyErr_Format(PyExc_OverflowError,
+                         "file protocol: expected segment %zd to end below 2**63, got %zd "
+                         "bytes at %zd",
+                         got, segs[got].view.len, offset);
+            got++; /* its buffer is held: released below */
+            goto fail;
+        }
     }
     Py_DECREF(seq);
     *count = n;
@@ -138,6 +180,25 @@ fail:
     Py_DECREF(seq);
     release_segments(segs, got);
     return NULL;
+}
+
+/* Whether the memory [a, a + a_len) and [b, b + b_len) share a byte. */
+static int
+overlaps(const void *a, Py_ssize_t a_len, const void *b, Py_ssize_t b_len)
+{
+    uintptr_t a0 = (uintptr_t)a, b0 = (uintptr_t)b;
+    return a_len > 0 && b_len > 0 && a0 < b0 + (uintptr_t)b_len && b0 < a0 + (uintptr_t)a_len;
+}
+
+/* A file mode of open(2): 0..07777; -1 with ValueError naming ``call`` otherwise. */
+static int
+check_mode(const char *call, int mode)
+{
+    if (mode < 0 || mode > 07777) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a file mode 0..0o7777, got %d", call, mode);
+        return -1;
+    }
+    return 0;
 }
 
 /* pwritev (``write``) or preadv of segments [first, last), which are file-contiguous from
@@ -314,13 +375,26 @@ parse_hashing(hashing *h, PyObject *capsule, Py_ssize_t first, Py_ssize_t last,
         return -1;
     }
     if (!is_uint64_format(sums_view->format, sums_view->itemsize)
-        || sums_view->len / 8 < chunks) {
+        || sums_view->len / 8 < chunks || (uintptr_t)sums_view->buf % 8 != 0) {
         PyErr_Format(PyExc_ValueError,
-                     "file protocol: expected sums of at least %zd native uint64 values, got "
-                     "format '%s', %zd bytes",
-                     chunks, sums_view->format ? sums_view->format : "B", sums_view->len);
+                     "file protocol: expected sums of at least %zd native uint64 values "
+                     "aligned to 8 bytes, got format '%s', %zd bytes at address %% 8 = %d",
+                     chunks, sums_view->format ? sums_view->format : "B", sums_view->len,
+                     (int)((uintptr_t)sums_view->buf % 8));
         PyBuffer_Release(sums_view);
         return -1;
+    }
+    /* The sums are written while the hashed memory is still being hashed (or read): apart,
+     * or the values would depend on the order of the two. */
+    for (Py_ssize_t i = first; i < last; i++) {
+        if (overlaps(sums_view->buf, sums_view->len, segs[i].view.buf, segs[i].view.len)) {
+            PyErr_Format(PyExc_ValueError,
+                         "file protocol: expected sums apart from the hashed memory, got an "
+                         "overlap with segment %zd",
+                         i);
+            PyBuffer_Release(sums_view);
+            return -1;
+        }
     }
     h->first = first;
     h->last = last;
@@ -524,12 +598,15 @@ new_file(PyObject *name, PyObject *path, int flags, int mode, segment *segs, Py_
 }
 
 /* The segments of a new file, acquired (see acquire_segments), after the checks write_new and
- * write_new_hashed share: 0 <= buffered_from <= the segment count, file_nbytes >= 0; NULL with
- * ValueError (nothing held) otherwise. */
+ * write_new_hashed share: a file mode, 0 <= buffered_from <= the segment count, file_nbytes >=
+ * 0; NULL with an exception (nothing held) otherwise. */
 static segment *
-new_file_segments(PyObject *segments_obj, Py_ssize_t buffered_from, Py_ssize_t file_nbytes,
-                  Py_ssize_t *n)
+new_file_segments(PyObject *segments_obj, int mode, Py_ssize_t buffered_from,
+                  Py_ssize_t file_nbytes, Py_ssize_t *n)
 {
+    if (check_mode("write_new", mode) < 0) {
+        return NULL;
+    }
     segment *segs = acquire_segments(segments_obj, 0, n);
     if (segs == NULL) {
         return NULL;
@@ -561,7 +638,7 @@ fileproto_write_new(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     Py_ssize_t n = 0;
-    segment *segs = new_file_segments(segments_obj, buffered_from, file_nbytes, &n);
+    segment *segs = new_file_segments(segments_obj, mode, buffered_from, file_nbytes, &n);
     if (segs == NULL) {
         Py_DECREF(path);
         return NULL;
@@ -589,7 +666,7 @@ fileproto_write_new_hashed(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     Py_ssize_t n = 0;
-    segment *segs = new_file_segments(segments_obj, buffered_from, file_nbytes, &n);
+    segment *segs = new_file_segments(segments_obj, mode, buffered_from, file_nbytes, &n);
     if (segs == NULL) {
         Py_DECREF(path);
         return NULL;
@@ -711,6 +788,18 @@ regular_file(PyObject *name, PyObject *path, int flags, segment *segs, Py_ssize_
                          short_at, short_want, short_got);
 }
 
+/* A read's expected file size: >= 0; -1 with ValueError otherwise. */
+static int
+check_expected_size(Py_ssize_t expected_size)
+{
+    if (expected_size < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "read_regular: expected a file size >= 0, got %zd", expected_size);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 fileproto_read_regular(PyObject *Py_UNUSED(module), PyObject *args)
 {
@@ -724,6 +813,10 @@ fileproto_read_regular(PyObject *Py_UNUSED(module), PyObject *args)
     if (!PyArg_ParseTuple(args, "OiOnpL:read_regular", &name, &flags, &segments_obj,
                           &expected_size, &allow_trailer, &touch_if_older_than_ns)
         || !PyUnicode_FSConverter(name, &path)) {
+        return NULL;
+    }
+    if (check_expected_size(expected_size) < 0) {
+        Py_DECREF(path);
         return NULL;
     }
     Py_ssize_t n = 0;
@@ -752,6 +845,10 @@ fileproto_read_regular_hashed(PyObject *Py_UNUSED(module), PyObject *args)
                           &segments_obj, &expected_size, &touch_if_older_than_ns, &first,
                           &last, &chunk_nbytes, &group_nbytes, &sums_obj, &capsule)
         || !PyUnicode_FSConverter(name, &path)) {
+        return NULL;
+    }
+    if (check_expected_size(expected_size) < 0) {
+        Py_DECREF(path);
         return NULL;
     }
     Py_ssize_t n = 0;
@@ -809,6 +906,13 @@ fileproto_sync_and_rename(PyObject *Py_UNUSED(module), PyObject *args)
         Py_DECREF(src);
         return NULL;
     }
+    if (fd < -1) {
+        PyErr_Format(PyExc_ValueError,
+                     "sync_and_rename: expected a descriptor >= 0, or -1 for no sync, got %d", fd);
+        Py_DECREF(src);
+        Py_DECREF(dst);
+        return NULL;
+    }
     int sync_err = 0, rename_err = 0;
     const char *csrc = PyBytes_AS_STRING(src);
     const char *cdst = PyBytes_AS_STRING(dst);
@@ -863,6 +967,7 @@ typedef struct {
     int flags, mode;
     Py_ssize_t file_nbytes, piece_nbytes, npieces, chunk_nbytes, nchunks, slots_offset;
     Py_ssize_t index_offset, alignment;
+    Py_ssize_t header_nbytes, span_nbytes; /* every block's header and span: checked sizes */
     const int64_t *starts;  /* piece k starts at span + starts[k] */
     const int64_t *slot_of; /* the span's chunk s is the block's chunk slot_of[s] */
     Py_buffer index;
@@ -980,16 +1085,17 @@ publish_piece_block(const piece_plan *p, piece_block *b, segment *segs)
     return err == EEXIST ? ALREADY_THERE : -err;
 }
 
-/* ``obj`` as native int64 values (``count`` of them; any number when count < 0), acquired
- * into *view; -1 with TypeError/ValueError naming ``what``. */
+/* ``obj`` as native int64 values aligned to 8 bytes (``count`` of them; any number when
+ * count < 0), acquired into *view; -1 with TypeError/ValueError naming ``what``. */
 static int
-int64_buffer(PyObject *obj, Py_buffer *view, const char *what, Py_ssize_t count)
+int64_buffer(const char *call, PyObject *obj, Py_buffer *view, const char *what,
+             Py_ssize_t count)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError,
-                     "publish_pieces: expected %s as a C-contiguous int64 buffer, got %.200s",
-                     what, Py_TYPE(obj)->tp_name);
+                     "%s: expected %s as a C-contiguous int64 buffer, got %.200s", call, what,
+                     Py_TYPE(obj)->tp_name);
         return -1;
     }
     const char *f = view->format != NULL ? view->format : "B";
@@ -997,62 +1103,127 @@ int64_buffer(PyObject *obj, Py_buffer *view, const char *what, Py_ssize_t count)
         f++;
     }
     if (view->itemsize != 8 || !(strcmp(f, "q") == 0 || strcmp(f, "l") == 0)
-        || (count >= 0 && view->len / 8 != count)) {
+        || (count >= 0 && view->len / 8 != count) || (uintptr_t)view->buf % 8 != 0) {
         PyErr_Format(PyExc_ValueError,
-                     "publish_pieces: expected %s as %zd int64 values (-1: any number), got "
-                     "format '%s', %zd bytes",
-                     what, count, view->format ? view->format : "B", view->len);
+                     "%s: expected %s as %s%zd int64 values aligned to 8 bytes, got format "
+                     "'%s', %zd bytes at address %% 8 = %d",
+                     call, what, count < 0 ? "any number of (here " : "", count < 0 ? view->len / 8 : count,
+                     view->format ? view->format : "B", view->len,
+                     (int)((uintptr_t)view->buf % 8));
         PyBuffer_Release(view);
         return -1;
     }
     return 0;
 }
 
-/* The checks of publish_pieces' geometry (GIL held); -1 with ValueError. */
+/* The checks of the piece counts and sizes (GIL held): whole chunks, a span that fits in a
+ * Py_ssize_t; p->span_nbytes and p->nchunks set. -1 with ValueError/OverflowError. */
 static int
-check_piece_plan(const piece_plan *p)
+check_piece_sizes(const char *call, piece_plan *p)
 {
     if (p->piece_nbytes <= 0 || p->chunk_nbytes <= 0 || p->piece_nbytes % p->chunk_nbytes != 0
         || p->alignment <= 0 || p->npieces <= 0 || p->npieces > IOV_MAX - 2) {
         PyErr_Format(PyExc_ValueError,
-                     "publish_pieces: expected 1..%d pieces of whole chunks and an alignment > "
-                     "0, got %zd pieces of %zd bytes, chunks of %zd, alignment %zd",
-                     IOV_MAX - 2, p->npieces, p->piece_nbytes, p->chunk_nbytes, p->alignment);
+                     "%s: expected 1..%d pieces of whole chunks and an alignment > 0, got %zd "
+                     "pieces of %zd bytes, chunks of %zd, alignment %zd",
+                     call, IOV_MAX - 2, p->npieces, p->piece_nbytes, p->chunk_nbytes,
+                     p->alignment);
         return -1;
     }
-    for (Py_ssize_t k = 0; k < p->npieces; k++) {
-        if (p->starts[k] < 0 || p->starts[k] % p->chunk_nbytes != 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "publish_pieces: expected piece starts on chunk boundaries, got %lld "
-                         "for piece %zd",
-                         (long long)p->starts[k], k);
-            return -1;
-        }
-    }
-    /* slot_of must be a permutation: every slot of the header filled exactly once. */
-    unsigned char *seen = PyMem_Calloc((size_t)p->nchunks, 1);
-    if (seen == NULL) {
-        PyErr_NoMemory();
+    if (__builtin_mul_overflow(p->npieces, p->piece_nbytes, &p->span_nbytes)) {
+        PyErr_Format(PyExc_OverflowError,
+                     "%s: expected a span below 2**63 bytes, got %zd pieces of %zd bytes", call,
+                     p->npieces, p->piece_nbytes);
         return -1;
     }
-    for (Py_ssize_t s = 0; s < p->nchunks; s++) {
-        int64_t slot = p->slot_of[s];
-        if (slot < 0 || slot >= p->nchunks || seen[slot]) {
-            PyMem_Free(seen);
-            PyErr_Format(PyExc_ValueError,
-                         "publish_pieces: expected slot_of to be a permutation of 0..%zd, got "
-                         "%lld at %zd",
-                         p->nchunks - 1, (long long)slot, s);
-            return -1;
-        }
-        seen[slot] = 1;
-    }
-    PyMem_Free(seen);
+    p->nchunks = p->span_nbytes / p->chunk_nbytes;
     return 0;
 }
 
-/* Acquire the (tmp, final, header, span) items and check each against the plan; NULL with
- * an exception (nothing held) otherwise. */
+/* The checks of where the pieces lie (GIL held): they tile the span exactly (every start a
+ * multiple of piece_nbytes, each place once), and slot_of is the chunk order that follows
+ * from them (the span's chunk s, in the piece starting at its piece-sized place, is the
+ * block's chunk of that piece and position). -1 with ValueError otherwise: a piece outside
+ * the span would write or read memory that is not the block's, overlapping pieces or another
+ * order would store checksums that are not the chunks'. */
+static int
+check_piece_places(const char *call, const piece_plan *p)
+{
+    /* piece_at[j]: the piece that starts at j * piece_nbytes (-1: none yet) */
+    Py_ssize_t *piece_at = PyMem_Malloc((size_t)p->npieces * sizeof(Py_ssize_t));
+    if (piece_at == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < p->npieces; j++) {
+        piece_at[j] = -1;
+    }
+    for (Py_ssize_t k = 0; k < p->npieces; k++) {
+        int64_t start = p->starts[k];
+        if (start < 0 || start % p->piece_nbytes != 0 || start / p->piece_nbytes >= p->npieces
+            || piece_at[start / p->piece_nbytes] >= 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: expected the starts to tile the %zd-byte span with pieces of %zd "
+                         "bytes (each a multiple of it, once), got %lld for piece %zd",
+                         call, p->span_nbytes, p->piece_nbytes, (long long)start, k);
+            PyMem_Free(piece_at);
+            return -1;
+        }
+        piece_at[start / p->piece_nbytes] = k;
+    }
+    Py_ssize_t per_piece = p->piece_nbytes / p->chunk_nbytes;
+    for (Py_ssize_t s = 0; s < p->nchunks; s++) {
+        int64_t slot = (int64_t)(piece_at[s / per_piece] * per_piece + s % per_piece);
+        if (p->slot_of[s] != slot) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: expected slot_of[%zd] = %lld (the chunk order the starts give), "
+                         "got %lld",
+                         call, s, (long long)slot, (long long)p->slot_of[s]);
+            PyMem_Free(piece_at);
+            return -1;
+        }
+    }
+    PyMem_Free(piece_at);
+    return 0;
+}
+
+/* The checks of the header (GIL held): file_nbytes >= 0, a header of header_nbytes >= 0
+ * holding every checksum slot, header and span inside the file. -1 with ValueError or
+ * OverflowError otherwise. */
+static int
+check_piece_header(const char *call, const piece_plan *p)
+{
+    Py_ssize_t slots_end, data_end;
+    if (p->file_nbytes < 0 || p->slots_offset < 0 || p->header_nbytes < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: expected file_nbytes, slots_offset and the header's size >= 0, got "
+                     "%zd, %zd and %zd",
+                     call, p->file_nbytes, p->slots_offset, p->header_nbytes);
+        return -1;
+    }
+    if (__builtin_mul_overflow(p->nchunks, (Py_ssize_t)8, &slots_end)
+        || __builtin_add_overflow(slots_end, p->slots_offset, &slots_end)
+        || __builtin_add_overflow(p->header_nbytes, p->span_nbytes, &data_end)) {
+        PyErr_Format(PyExc_OverflowError,
+                     "%s: expected the slots (%zd at %zd) and the %zd-byte header and span to "
+                     "end below 2**63",
+                     call, p->nchunks, p->slots_offset, p->header_nbytes);
+        return -1;
+    }
+    if (slots_end > p->header_nbytes || data_end > p->file_nbytes) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: expected %zd checksum slots at %zd inside the %zd-byte header, and "
+                     "header and %zd-byte span inside the %zd-byte file",
+                     call, p->nchunks, p->slots_offset, p->header_nbytes, p->span_nbytes,
+                     p->file_nbytes);
+        return -1;
+    }
+    return 0;
+}
+
+/* Acquire the (tmp, final, header, span) items (reads: (path, header, span)) from a snapshot of
+ * ``items_obj`` and check each against the plan; NULL with an exception (nothing held)
+ * otherwise. */
 static piece_block *
 acquire_piece_blocks(PyObject *items_obj, const piece_plan *p, int reading, Py_ssize_t *count)
 {
@@ -1067,9 +1238,8 @@ acquire_piece_blocks(PyObject *items_obj, const piece_plan *p, int reading, Py_s
     if (blocks == NULL) {
         return NULL;
     }
-    Py_ssize_t span_nbytes = p->npieces * p->piece_nbytes;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *item = PyTuple_GET_ITEM(seq, i);
         piece_block *b = &blocks[i];
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != size) {
             PyErr_Format(PyExc_TypeError, "%s: expected block %zd as a %s tuple, got %.200s",
@@ -1081,25 +1251,37 @@ acquire_piece_blocks(PyObject *items_obj, const piece_plan *p, int reading, Py_s
             || !PyUnicode_FSConverter(PyTuple_GET_ITEM(item, size - 3), &b->final)) {
             goto fail;
         }
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, size - 2), &b->header, PyBUF_WRITABLE)
-            < 0) {
+        PyObject *header = PyTuple_GET_ITEM(item, size - 2);
+        PyObject *span = PyTuple_GET_ITEM(item, size - 1);
+        if (PyObject_GetBuffer(header, &b->header, PyBUF_WRITABLE) < 0) {
             b->header.obj = NULL;
+            PyErr_Format(PyExc_TypeError,
+                         "%s: expected block %zd's header as a writable contiguous buffer, got "
+                         "%.200s",
+                         call, i, Py_TYPE(header)->tp_name);
             goto fail;
         }
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, size - 1), &b->span,
-                               reading ? PyBUF_WRITABLE : PyBUF_SIMPLE)
-            < 0) {
+        if (PyObject_GetBuffer(span, &b->span, reading ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
             b->span.obj = NULL;
+            PyErr_Format(PyExc_TypeError,
+                         "%s: expected block %zd's span as a %scontiguous buffer, got %.200s",
+                         call, i, reading ? "writable " : "", Py_TYPE(span)->tp_name);
             goto fail;
         }
-        if (b->header.len + span_nbytes != p->index_offset
-            || b->header.len < p->slots_offset + 8 * p->nchunks
-            || b->span.len != span_nbytes) {
+        if (b->header.len != p->header_nbytes || b->span.len != p->span_nbytes) {
             PyErr_Format(PyExc_ValueError,
-                         "%s: block %zd: expected a header of %zd bytes (slots at %zd) and a "
-                         "span of %zd bytes, got %zd and %zd",
-                         call, i, p->index_offset - span_nbytes, p->slots_offset, span_nbytes,
-                         b->header.len, b->span.len);
+                         "%s: block %zd: expected a header of %zd bytes and a span of %zd "
+                         "bytes, got %zd and %zd",
+                         call, i, p->header_nbytes, p->span_nbytes, b->header.len, b->span.len);
+            goto fail;
+        }
+        /* A publish fills the header's slots while it hashes the span: apart, or the sums
+         * would depend on the order of the two (a read would fill one with the other). */
+        if (overlaps(b->header.buf, b->header.len, b->span.buf, b->span.len)) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: block %zd: expected its header and span in separate memory, got "
+                         "an overlap",
+                         call, i);
             goto fail;
         }
     }
@@ -1185,30 +1367,34 @@ read_piece_block(const piece_plan *p, piece_block *b, segment *segs, long long t
     return VERIFIED;
 }
 
-/* The geometry arguments both batch calls share: the capsule, starts and slot_of acquired into
- * *starts_view and *slot_view (the caller releases both on success; nothing is held on
- * failure), p's counts set; -1 with an exception. */
+/* The geometry arguments both batch calls share, checked (GIL held): the capsule, starts and
+ * slot_of acquired into *starts_view and *slot_view (the caller releases both on success;
+ * nothing is held on failure), p's counts set, the pieces' places checked; -1 with an
+ * exception. */
 static int
-parse_piece_geometry(piece_plan *p, PyObject *starts_obj, PyObject *slot_obj, PyObject *capsule,
-                     Py_buffer *starts_view, Py_buffer *slot_view)
+parse_piece_geometry(const char *call, piece_plan *p, PyObject *starts_obj, PyObject *slot_obj,
+                     PyObject *capsule, Py_buffer *starts_view, Py_buffer *slot_view)
 {
     void *address = PyCapsule_GetPointer(capsule, XXH3_CAPSULE_NAME);
     if (address == NULL) {
         return -1;
     }
     memcpy(&p->fn, &address, sizeof p->fn);
-    if (int64_buffer(starts_obj, starts_view, "starts", -1) < 0) {
+    if (int64_buffer(call, starts_obj, starts_view, "starts", -1) < 0) {
         return -1;
     }
     p->npieces = starts_view->len / 8;
     p->starts = (const int64_t *)starts_view->buf;
-    p->nchunks = p->chunk_nbytes > 0 ? p->npieces * (p->piece_nbytes / p->chunk_nbytes) : 0;
-    if (int64_buffer(slot_obj, slot_view, "slot_of", p->nchunks) < 0) {
+    if (check_piece_sizes(call, p) < 0) {
+        PyBuffer_Release(starts_view);
+        return -1;
+    }
+    if (int64_buffer(call, slot_obj, slot_view, "slot_of", p->nchunks) < 0) {
         PyBuffer_Release(starts_view);
         return -1;
     }
     p->slot_of = (const int64_t *)slot_view->buf;
-    if (check_piece_plan(p) < 0) {
+    if (check_piece_places(call, p) < 0) {
         PyBuffer_Release(slot_view);
         PyBuffer_Release(starts_view);
         return -1;
@@ -1261,26 +1447,49 @@ fileproto_publish_pieces(PyObject *Py_UNUSED(module), PyObject *args)
     if (!PyArg_ParseTuple(args, "OiinnOOnnOnnO:publish_pieces", &items_obj, &p.flags, &p.mode,
                           &p.file_nbytes, &p.piece_nbytes, &starts_obj, &slot_obj,
                           &p.chunk_nbytes, &p.slots_offset, &index_obj, &p.index_offset,
-                          &p.alignment, &capsule)) {
+                          &p.alignment, &capsule)
+        || check_mode("publish_pieces", p.mode) < 0) {
         return NULL;
     }
     Py_buffer starts_view, slot_view;
-    if (parse_piece_geometry(&p, starts_obj, slot_obj, capsule, &starts_view, &slot_view) < 0) {
+    if (parse_piece_geometry("publish_pieces", &p, starts_obj, slot_obj, capsule, &starts_view,
+                             &slot_view)
+        < 0) {
         return NULL;
     }
     PyObject *result = NULL;
-    if (PyObject_GetBuffer(index_obj, &p.index, PyBUF_SIMPLE) == 0) {
-        if (p.index_offset < 0 || p.index_offset + p.index.len > p.file_nbytes) {
-            PyErr_Format(PyExc_ValueError,
-                         "publish_pieces: expected the %zd-byte index at %zd inside the "
-                         "%zd-byte file",
-                         p.index.len, p.index_offset, p.file_nbytes);
-        }
-        else {
+    if (PyObject_GetBuffer(index_obj, &p.index, PyBUF_SIMPLE) < 0) {
+        PyErr_Format(PyExc_TypeError,
+                     "publish_pieces: expected the index as a contiguous buffer, got %.200s",
+                     Py_TYPE(index_obj)->tp_name);
+        goto done;
+    }
+    Py_ssize_t index_end;
+    if (p.index_offset < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "publish_pieces: expected the index at an offset >= 0, got %zd",
+                     p.index_offset);
+    }
+    else if (__builtin_add_overflow(p.index_offset, p.index.len, &index_end)) {
+        PyErr_Format(PyExc_OverflowError,
+                     "publish_pieces: expected the %zd-byte index at %zd to end below 2**63",
+                     p.index.len, p.index_offset);
+    }
+    else if (index_end > p.file_nbytes || p.index_offset < p.span_nbytes) {
+        PyErr_Format(PyExc_ValueError,
+                     "publish_pieces: expected the %zd-byte index at %zd inside the %zd-byte "
+                     "file, after the %zd-byte span",
+                     p.index.len, p.index_offset, p.file_nbytes, p.span_nbytes);
+    }
+    else {
+        /* The pieces end where the index starts: the header is what comes before them. */
+        p.header_nbytes = p.index_offset - p.span_nbytes;
+        if (check_piece_header("publish_pieces", &p) == 0) {
             result = run_piece_batch(&p, items_obj, 0, 0);
         }
-        PyBuffer_Release(&p.index);
     }
+    PyBuffer_Release(&p.index);
+done:
     PyBuffer_Release(&slot_view);
     PyBuffer_Release(&starts_view);
     return result;
@@ -1290,29 +1499,24 @@ static PyObject *
 fileproto_read_pieces(PyObject *Py_UNUSED(module), PyObject *args)
 {
     PyObject *items_obj, *starts_obj, *slot_obj, *capsule;
-    Py_ssize_t header_nbytes;
     long long touch_ns;
     piece_plan p;
     memset(&p, 0, sizeof p);
     if (!PyArg_ParseTuple(args, "OinnnOOnnLnO:read_pieces", &items_obj, &p.flags,
-                          &p.file_nbytes, &header_nbytes, &p.piece_nbytes, &starts_obj,
+                          &p.file_nbytes, &p.header_nbytes, &p.piece_nbytes, &starts_obj,
                           &slot_obj, &p.chunk_nbytes, &p.slots_offset, &touch_ns, &p.alignment,
                           &capsule)) {
         return NULL;
     }
     Py_buffer starts_view, slot_view;
-    if (parse_piece_geometry(&p, starts_obj, slot_obj, capsule, &starts_view, &slot_view) < 0) {
+    if (parse_piece_geometry("read_pieces", &p, starts_obj, slot_obj, capsule, &starts_view,
+                             &slot_view)
+        < 0) {
         return NULL;
     }
-    p.index_offset = header_nbytes + p.npieces * p.piece_nbytes; /* where the pieces end */
     PyObject *result = NULL;
-    if (header_nbytes < 0 || p.index_offset > p.file_nbytes) {
-        PyErr_Format(PyExc_ValueError,
-                     "read_pieces: expected a %zd-byte header and %zd pieces of %zd bytes "
-                     "inside the %zd-byte file",
-                     header_nbytes, p.npieces, p.piece_nbytes, p.file_nbytes);
-    }
-    else {
+    if (check_piece_header("read_pieces", &p) == 0) {
+        p.index_offset = p.header_nbytes + p.span_nbytes; /* where the pieces end */
         result = run_piece_batch(&p, items_obj, 1, touch_ns);
     }
     PyBuffer_Release(&slot_view);
@@ -1329,11 +1533,16 @@ fileproto_exists_many(PyObject *Py_UNUSED(module), PyObject *args)
     if (!PyArg_ParseTuple(args, "O:exists_many", &paths_obj)) {
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(paths_obj, "exists_many: expected a sequence of paths");
+    /* A snapshot: an item's __fspath__ may change the caller's list, never this tuple. */
+    PyObject *seq = PySequence_Tuple(paths_obj);
     if (seq == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Format(PyExc_TypeError, "exists_many: expected a sequence of paths, got %.200s",
+                         Py_TYPE(paths_obj)->tp_name);
+        }
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     PyObject **encoded = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(PyObject *));
     int *codes = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(int));
     PyObject *result = NULL;
@@ -1343,7 +1552,7 @@ fileproto_exists_many(PyObject *Py_UNUSED(module), PyObject *args)
         goto done;
     }
     for (; got < n; got++) {
-        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, got), &encoded[got])) {
+        if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(seq, got), &encoded[got])) {
             goto done;
         }
     }

@@ -159,11 +159,11 @@ xxh3batch_sums(PyObject *Py_UNUSED(module), PyObject *args)
         PyBuffer_Release(&data);
         return NULL;
     }
-    if (!is_uint64_format(out.format, out.itemsize)) {
+    if (!is_uint64_format(out.format, out.itemsize) || (uintptr_t)out.buf % 8 != 0) {
         PyErr_Format(PyExc_ValueError,
-                     "xxh3 batch: expected out of native uint64 items, got format '%s' "
-                     "with %zd-byte items",
-                     out.format ? out.format : "B", out.itemsize);
+                     "xxh3 batch: expected out of native uint64 items aligned to 8 bytes, got "
+                     "format '%s' with %zd-byte items at address %% 8 = %d",
+                     out.format ? out.format : "B", out.itemsize, (int)((uintptr_t)out.buf % 8));
         goto fail;
     }
     if (count > 0) {

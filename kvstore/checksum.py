@@ -48,19 +48,22 @@ log line says why and python-xxhash is called per chunk. The values are the same
 
 from __future__ import annotations
 
-import importlib
 import logging
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+from types import ModuleType
 
 import crc32c as _crc32c
 import numpy as np
 import torch
 import xxhash
 
+from kvstore.callargs import address, buffer_view, ssize, typed_view
 from kvstore.errors import StoreFormatError
+from kvstore.native import NativeBinding
 
 Checksum = Callable[[memoryview], int]
 # kvstore._xxh3batch.sums(data, chunk_nbytes, count, stride, out)
@@ -128,8 +131,8 @@ def chunk_sums(
         )
     native = _native_sums() if algo_id == XXH3_64 else None
     if native is not None:
-        if out is not None and out.dtype == np.uint64:
-            # Native byte order: the batch writes into ``out`` itself (no array, no copy).
+        if out is not None and out.dtype == np.uint64 and out.ctypes.data % 8 == 0:
+            # Native byte order, aligned: the batch writes into ``out`` itself (no copy).
             native(data, chunk_nbytes, count, chunk_nbytes, out.data)
             return out
         sums = np.empty(count, dtype=np.uint64)
@@ -226,55 +229,11 @@ SELF_TEST_LENGTHS = (0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 4096, 8
 # plain one (both compute the same function; tests/test_native_xxh3.py checks).
 NATIVE_SYMBOLS = ("XXH3_64bits_dispatch", "XXH3_64bits")
 
-_native_lock = threading.Lock()
-# (the batch function or None, why it is not used or None); None until the first use binds.
-_native_state: tuple[BatchSums | None, str | None] | None = None
-# The bound function as kvstore._xxh3batch.function()'s capsule once the batch is bound and
-# self-tested (None otherwise): kvstore._fileproto hashes with it while it reads or writes.
-_native_capsule: object | None = None
 
-
-def native_batch_unavailable() -> str | None:
-    """Why the native xxh3 batch is not used (binding it on first call), None when it is."""
-    return _native_binding()[1]
-
-
-def native_xxh3_capsule() -> object | None:
-    """The self-tested XXH3 function of the native batch as a PyCapsule (for the fused reads
-    and writes of :mod:`kvstore.io.fileproto`), binding it on first call; None when the
-    native batch is not used (then those run their Python reference)."""
-    if _native_state is None:
-        _native_binding()
-    return _native_capsule
-
-
-def _native_sums() -> BatchSums | None:
-    state = _native_state
-    if state is None:
-        state = _native_binding()
-    return state[0]
-
-
-def _native_binding() -> tuple[BatchSums | None, str | None]:
-    """Bind the native batch once per process; log one line when it is unavailable."""
-    global _native_state  # noqa: PLW0603 - the once-per-process binding
-    with _native_lock:
-        if _native_state is None:
-            sums, why = _bind_native()
-            if why is not None:
-                log.warning("native xxh3 batch unavailable: %s; using python-xxhash per chunk", why)
-            _native_state = (sums, why)
-        return _native_state
-
-
-def _bind_native() -> tuple[BatchSums | None, str | None]:
-    """Import the extension, bind python-xxhash's XXH3 function and self-test it."""
-    try:
-        # Imported by name: import-linter sees no .py file for a C module and would count a
-        # plain import as one of the whole kvstore package (the store layer included).
-        native = importlib.import_module("kvstore._xxh3batch")
-    except ImportError as exc:
-        return None, f"extension kvstore._xxh3batch not built ({exc})"
+def _bind_native(native: ModuleType) -> tuple[tuple[BatchSums, object] | None, str | None]:
+    """Bind python-xxhash's XXH3 function in the imported extension and self-test it: the
+    batch function and its capsule (kvstore._fileproto hashes with it while it reads or
+    writes), or why not."""
     bind: Callable[[str, str], None] = native.bind
     sums: BatchSums = native.sums
     library = getattr(getattr(xxhash, "_xxhash", None), "__file__", None)
@@ -289,12 +248,91 @@ def _bind_native() -> tuple[BatchSums | None, str | None]:
             continue
         wrong = self_test(sums)
         if wrong is None:
-            global _native_capsule  # noqa: PLW0603 - set once, with the binding
-            function = getattr(native, "function", None)  # (a build older than the capsule)
-            _native_capsule = function() if function is not None else None
-            return sums, None
+            return (sums, native.function()), None
         problems.append(f"{symbol} failed its self-test: {wrong}")
     return None, "; ".join(problems)
+
+
+NATIVE_BATCH = NativeBinding(
+    "kvstore._xxh3batch", _bind_native, "using python-xxhash per chunk (the same values)"
+)
+
+
+def native_batch_unavailable() -> str | None:
+    """Why the native xxh3 batch is not used (binding it on first call), None when it is."""
+    return NATIVE_BATCH.unavailable()
+
+
+def native_xxh3_capsule() -> object | None:
+    """The self-tested XXH3 function of the native batch as a PyCapsule (for the fused reads
+    and writes of :mod:`kvstore.io.fileproto`), binding it on first call; None when the
+    native batch is not used (then those run their Python reference)."""
+    bound = NATIVE_BATCH.get()
+    return None if bound is None else bound[1]
+
+
+def reference_batch_sums(
+    data: object, chunk_nbytes: int, count: int, stride: int, out: object
+) -> None:
+    """``kvstore._xxh3batch.sums`` in Python, its reference: ``out[i]`` = xxh3_64 of the
+    ``chunk_nbytes`` bytes of ``data`` at ``i * stride``, for ``i < count``, with the C's
+    checks in the C's order and the same exception types (tests/native holds the two to each
+    other)."""
+    chunk_nbytes = ssize(chunk_nbytes, "chunk_nbytes")
+    count = ssize(count, "count")
+    stride = ssize(stride, "stride")
+    if chunk_nbytes < 0 or count < 0:
+        raise ValueError(
+            f"xxh3 batch: expected chunk_nbytes >= 0 and count >= 0, got {chunk_nbytes} and {count}"
+        )
+    if stride < chunk_nbytes:
+        raise ValueError(
+            f"xxh3 batch: expected stride >= chunk_nbytes ({chunk_nbytes}), got {stride}"
+        )
+    source = buffer_view(data, writable=False)
+    if source is None:
+        raise TypeError(
+            f"xxh3 batch: expected data as a contiguous buffer, got {type(data).__name__}"
+        )
+    target = typed_view(out)
+    if target is None or target.readonly:
+        raise TypeError(
+            f"xxh3 batch: expected out as a writable C-contiguous buffer, got {type(out).__name__}"
+        )
+    fmt = target.format.lstrip("@=<" if sys.byteorder == "little" else "@=>!")
+    if target.itemsize != 8 or fmt not in ("Q", "L") or address(target) % 8:
+        raise ValueError(
+            f"xxh3 batch: expected out of native uint64 items aligned to 8 bytes, got format "
+            f"'{target.format}' with {target.itemsize}-byte items at address % 8 = "
+            f"{address(target) % 8}"
+        )
+    if count > 0:
+        needed = (count - 1) * stride + chunk_nbytes
+        if needed > sys.maxsize:
+            raise ValueError(
+                f"xxh3 batch: {count} chunks of {chunk_nbytes} bytes at a stride of {stride} "
+                "overflow the address space"
+            )
+        if len(source) < needed:
+            raise ValueError(
+                f"xxh3 batch: expected at least {needed} bytes of data ({count} chunks of "
+                f"{chunk_nbytes} at a stride of {stride}), got {len(source)}"
+            )
+    if target.nbytes // 8 < count:
+        raise ValueError(
+            f"xxh3 batch: expected out to hold at least {count} uint64 values, got "
+            f"{target.nbytes // 8}"
+        )
+    values = np.frombuffer(target, dtype=np.uint8)[: 8 * count].view(np.uint64)
+    values[:] = [
+        xxhash.xxh3_64_intdigest(source[i * stride : i * stride + chunk_nbytes])
+        for i in range(count)
+    ]
+
+
+def _native_sums() -> BatchSums | None:
+    bound = NATIVE_BATCH.get()
+    return None if bound is None else bound[0]
 
 
 def self_test(sums: BatchSums) -> str | None:

@@ -12,14 +12,21 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
-from kvstore import demo
+from kvstore import checksum, demo
 from kvstore.admin import commands as admin_commands
 from kvstore.cli_args import OneLineParser, positive_int, store_root
 from kvstore.errors import KvstoreError
+from kvstore.io import fileproto
 from kvstore.layout.parallel import ParallelLayout
 from kvstore.models import model_names
+from kvstore.native import native_report
+
+# Both bindings register with kvstore.native on import; --version reports each.
+_BINDINGS = (checksum.NATIVE_BATCH, fileproto.NATIVE_FILEPROTO)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="log engine choices and warnings"
+    )
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="print the version and which native calls run (KVSTORE_NATIVE), then exit",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
@@ -75,6 +87,30 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     admin_commands.add_parsers(sub)
     return parser
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: kvstore's version, then one line for the ``KVSTORE_NATIVE`` switch and
+    one per C extension (native from which file, or the Python reference and why)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        logging.disable(logging.WARNING)  # the report says why; no second line per extension
+        try:
+            lines, satisfied = native_report()
+        except KvstoreError as exc:
+            parser.exit(2, f"kvstore: error: {exc}\n")
+        print("\n".join([f"kvstore {version('kvstore')}", *lines]))
+        # 2: KVSTORE_NATIVE=require and an extension cannot be used (the report says which)
+        parser.exit(0 if satisfied else 2)
 
 
 def _layout(text: str) -> str:

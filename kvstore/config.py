@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from kvstore.errors import ConfigError
+from kvstore.native import PROCESS_VARIABLES
 
 Durability = Literal["full", "none"]
 DirectIO = Literal["auto", "on", "off"]
@@ -167,12 +168,14 @@ class StoreConfig:
     ) -> StoreConfig:
         """``base`` overridden by ``KVSTORE_<FIELD>`` environment variables.
 
-        An unknown ``KVSTORE_*`` variable is an error, so a typo cannot silently do nothing.
+        An unknown ``KVSTORE_*`` variable is an error, so a typo cannot silently do nothing;
+        the process-wide switches of :mod:`kvstore.native` (``KVSTORE_NATIVE``,
+        ``KVSTORE_NATIVE_DIR``) are not the store's and are passed over.
         """
         env = os.environ if environ is None else environ
         values: dict[str, str] = {}
         for key, value in env.items():
-            if key.startswith(ENV_PREFIX):
+            if key.startswith(ENV_PREFIX) and key not in PROCESS_VARIABLES:
                 name = key[len(ENV_PREFIX) :].lower()
                 if name not in cls.field_names():
                     raise ConfigError(

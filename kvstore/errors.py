@@ -20,6 +20,11 @@ class ConfigError(KvstoreError, ValueError):
     """A configuration key is unknown, ill-typed or out of range."""
 
 
+class NativeRequiredError(KvstoreError):
+    """``KVSTORE_NATIVE=require`` and a C extension is not built, not loadable or failed its
+    self-test (:mod:`kvstore.native`)."""
+
+
 class IdentityMismatchError(KvstoreError):
     """A namespace exists with a stored identity different from the caller's."""
 

@@ -293,3 +293,13 @@ def test_every_field_refuses_wrong_types_with_config_error(field: str, value: ob
             build()
         except ConfigError as exc:
             assert str(exc).startswith(f"{field}: expected "), str(exc)
+
+
+def test_from_env_passes_over_the_native_switch() -> None:
+    """KVSTORE_NATIVE and KVSTORE_NATIVE_DIR are the process's (kvstore/native.py), not a
+    store's: CI exports them, and a store configured from the environment still opens."""
+    base = StoreConfig(root="/base")
+    environ = {"KVSTORE_NATIVE": "require", "KVSTORE_NATIVE_DIR": "/build", "PATH": "/bin"}
+    assert StoreConfig.from_env(base, environ=environ) == base
+    with pytest.raises(ConfigError, match="unknown environment variable KVSTORE_NATIVES"):
+        StoreConfig.from_env(base, environ={"KVSTORE_NATIVES": "off"})

@@ -17,6 +17,7 @@ import torch
 import xxhash
 
 from kvstore import checksum
+from kvstore.native import import_extension, native_mode
 from kvstore.checksum import XXH3_64, chunk_sums
 
 
@@ -25,9 +26,7 @@ def _native_module() -> ModuleType:
     why = checksum.native_batch_unavailable()
     if why is not None:
         pytest.skip(f"native xxh3 batch not active: {why}")
-    from kvstore import _xxh3batch  # noqa: PLC0415 - optional module
-
-    return _xxh3batch
+    return import_extension("kvstore._xxh3batch")  # the module bound (KVSTORE_NATIVE_DIR too)
 
 
 def _reference(data: bytes | memoryview, chunk_nbytes: int, count: int, stride: int) -> list[int]:
@@ -50,10 +49,10 @@ def noise() -> bytes:
 
 
 def test_native_required() -> None:
-    """CI sets KVTEST_REQUIRE_NATIVE=1: there the extension must build, bind and pass its
+    """CI sets KVSTORE_NATIVE=require: there the extension must build, bind and pass its
     self-test, or the fast path silently regressed to per-chunk calls."""
-    if os.environ.get("KVTEST_REQUIRE_NATIVE") != "1":
-        pytest.skip("KVTEST_REQUIRE_NATIVE is not 1")
+    if native_mode() != "require":
+        pytest.skip("KVSTORE_NATIVE is not require")
     assert checksum.native_batch_unavailable() is None
 
 
@@ -163,10 +162,14 @@ def test_short_or_bad_out_is_an_error() -> None:
     data = bytes(1000)
     with pytest.raises(ValueError, match="expected out to hold at least 10 uint64 values, got 9"):
         module.sums(data, 100, 10, 100, np.zeros(9, dtype=np.uint64))
-    with pytest.raises(ValueError, match="expected out of native uint64 items, got format 'l'"):
+    items = "expected out of native uint64 items aligned to 8 bytes, got format"
+    with pytest.raises(ValueError, match=f"{items} 'l'"):
         module.sums(data, 100, 10, 100, np.zeros(10, dtype=np.int64))
-    with pytest.raises(ValueError, match="uint64 items, got format 'B' with 1-byte items"):
+    with pytest.raises(ValueError, match=f"{items} 'B' with 1-byte items"):
         module.sums(data, 100, 10, 100, bytearray(80))
+    misaligned = np.zeros(88, dtype=np.uint8)[1:81].view(np.uint64)
+    with pytest.raises(ValueError, match="with 8-byte items at address % 8 = 1"):
+        module.sums(data, 100, 10, 100, misaligned)
     writable = "expected out as a writable C-contiguous buffer"
     with pytest.raises(TypeError, match=f"{writable}, got bytes"):
         module.sums(data, 100, 10, 100, bytes(80))
@@ -213,29 +216,32 @@ def test_two_threads_at_once_get_right_results(noise: bytes) -> None:
 def unbound(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """checksum bound afresh with a binding that fails (as on a machine without the symbol)."""
 
-    def missing() -> tuple[None, str]:
+    def missing(module: ModuleType) -> tuple[None, str]:
         return None, "dlsym(XXH3_64bits): undefined symbol"
 
-    monkeypatch.setattr(checksum, "_native_state", None)
-    monkeypatch.setattr(checksum, "_bind_native", missing)
+    monkeypatch.delenv("KVSTORE_NATIVE", raising=False)  # auto: CI's require would raise
+    monkeypatch.delenv("KVSTORE_NATIVE_DIR", raising=False)
+    checksum.NATIVE_BATCH.reset()
+    monkeypatch.setattr(checksum.NATIVE_BATCH, "_bind", missing)
     yield
-    # monkeypatch restores the real state and binder
+    monkeypatch.undo()
+    checksum.NATIVE_BATCH.reset()  # the next use binds the real extension again
 
 
 def test_fallback_when_the_symbol_is_missing(
     noise: bytes, unbound: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvstore.checksum"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.native"):
         first = chunk_sums(XXH3_64, memoryview(noise), 8192, 100)
         second = chunk_sums(XXH3_64, memoryview(noise), 4096, 10)
         why = checksum.native_batch_unavailable()
     assert first.tolist() == _reference(noise, 8192, 100, 8192)
     assert second.tolist() == _reference(noise, 4096, 10, 4096)
     assert why == "dlsym(XXH3_64bits): undefined symbol"
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvstore.checksum"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvstore.native"]
     assert lines == [
-        "native xxh3 batch unavailable: dlsym(XXH3_64bits): undefined symbol; "
-        "using python-xxhash per chunk"
+        "kvstore._xxh3batch unavailable: dlsym(XXH3_64bits): undefined symbol; "
+        "using python-xxhash per chunk (the same values)"
     ]
 
 
@@ -269,9 +275,9 @@ def test_self_test_catches_a_wrong_function() -> None:
 def test_binder_reports_a_missing_symbol(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real binder, asked for a symbol python-xxhash does not export, declines and says
     why (the extension's current binding is left as it was)."""
-    _native_module()
+    module = _native_module()
     monkeypatch.setattr(checksum, "NATIVE_SYMBOLS", ("XXH3_no_such_symbol",))
-    sums, why = checksum._bind_native()
+    sums, why = checksum._bind_native(module)
     assert sums is None
     assert why is not None
     assert "dlsym(XXH3_no_such_symbol)" in why
@@ -289,9 +295,15 @@ def test_binder_reports_an_unbuilt_extension(monkeypatch: pytest.MonkeyPatch) ->
             raise ImportError("No module named 'kvstore._xxh3batch'")
         return real(name, package)
 
+    monkeypatch.delenv("KVSTORE_NATIVE", raising=False)
+    monkeypatch.delenv("KVSTORE_NATIVE_DIR", raising=False)
     monkeypatch.setattr(importlib, "import_module", no_extension)
-    sums, why = checksum._bind_native()
-    assert sums is None
+    checksum.NATIVE_BATCH.reset()
+    try:
+        why = checksum.native_batch_unavailable()
+    finally:
+        monkeypatch.undo()
+        checksum.NATIVE_BATCH.reset()
     assert why == "extension kvstore._xxh3batch not built (No module named 'kvstore._xxh3batch')"
 
 

@@ -48,15 +48,24 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from kvstore.callargs import snapshot
 from kvstore.checksum import XXH3_64, chunk_sums, native_xxh3_capsule
 from kvstore.errors import CorruptBlockError, EntryKindError
+from kvstore.io import piece_batch
+from kvstore.io.callcheck import (
+    check_new_file,
+    check_paths,
+    check_read,
+    check_sums_apart,
+    check_sync_and_rename,
+    check_uint64_sums,
+)
 from kvstore.io.entries import FileId, describe_kind, file_id, not_regular, open_dir_nofollow
 from kvstore.io.fileproto import NativeFileProto, ReadOutcome, native_fileproto
 from kvstore.io.rename import rename_noreplace, rename_noreplace_at
 from kvstore.io.types import Hashing, PieceBlock, PiecePlan, Segment
+from kvstore.io.vectored import coalesce, read_fully, write_fully, write_runs
 
-# Linux's IOV_MAX; os.sysconf may not know it everywhere.
-IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 # Every open of a store file: never blocks (FIFO), never follows a final symbolic link.
 _OPEN_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -226,13 +235,15 @@ class FileIO:
         :class:`~kvstore.errors.EntryKindError` for a name held by anything but a regular
         file). The plain FileIO probes the whole batch in one native call without the GIL
         and asks :meth:`exists` again, for the words, only about a name that is neither."""
+        names = snapshot(paths, "exists_many: expected a sequence of paths")
         native = native_fileproto() if self._native_allowed else None
         if native is None:
-            return [self._exists_or_error(p) for p in paths]
-        codes = native.exists_many(paths)
+            check_paths(names)  # what the native call refuses, refused alike
+            return [self._exists_or_error(p) for p in names]
+        codes = native.exists_many(names)
         return [
             code == 1 if code >= 0 else self._exists_or_error(p)
-            for p, code in zip(paths, codes, strict=True)
+            for p, code in zip(names, codes, strict=True)
         ]
 
     def _exists_or_error(self, path: str) -> bool | OSError:
@@ -295,9 +306,10 @@ class FileIO:
         stop = len(segments) if buffered_from is None else buffered_from
         if self._native_allowed and (native := native_fileproto()) is not None:
             return native.write_new(path, flags, mode, segments, stop, file_nbytes)
+        checked = check_new_file(path, flags, mode, segments, stop, file_nbytes)
         fd = self.open(path, flags, mode)
         try:
-            end = self._write_runs(fd, flags, segments, 0, len(segments), stop, 0)
+            end = write_runs(self, fd, flags, checked, 0, len(checked), stop, 0)
             if end != file_nbytes:  # a new file ends where its last byte went
                 self.ftruncate(fd, file_nbytes)
         except BaseException:
@@ -347,7 +359,9 @@ class FileIO:
                 path, flags, mode, segments, stop, file_nbytes,
                 h.first, h.last, h.chunk_nbytes, h.group_nbytes, h.sums, xxh3,
             )  # fmt: skip
-        groups = _hashed_groups(segments, h)
+        geometry = (h.first, h.last, h.chunk_nbytes, h.group_nbytes)
+        checked = check_new_file(path, flags, mode, segments, stop, file_nbytes, geometry)
+        groups = _hashed_groups(checked, h)
         if flags & O_DIRECT and h.last > stop and h.last > h.first:
             raise ValueError(
                 f"write_new_hashed: expected the hashed segments [{h.first}, {h.last}) before "
@@ -359,37 +373,14 @@ class FileIO:
             for offset, parts in groups:
                 done = _hash_parts(h, parts, done)
                 end = max(end, offset + write_fully(self, fd, parts, offset))
-            end = self._write_runs(fd, flags, segments, 0, h.first, stop, end)
-            end = self._write_runs(fd, flags, segments, h.last, len(segments), stop, end)
+            end = write_runs(self, fd, flags, checked, 0, h.first, stop, end)
+            end = write_runs(self, fd, flags, checked, h.last, len(checked), stop, end)
             if end != file_nbytes:  # a new file ends where its last byte went
                 self.ftruncate(fd, file_nbytes)
         except BaseException:
             self.close(fd)
             raise
         return fd
-
-    def _write_runs(  # noqa: PLR0913 - the file, its flags, which segments, where direct ends
-        self,
-        fd: int,
-        flags: int,
-        segments: Sequence[Segment],
-        lo: int,
-        hi: int,
-        buffered_from: int,
-        end: int,
-    ) -> int:
-        """Segments ``[lo, hi)`` written one vectored write per file-contiguous run, O_DIRECT
-        cleared before segment ``buffered_from`` (when the flags hold it); returns the
-        furthest byte written (``end`` or beyond)."""
-        if lo < buffered_from:
-            for offset, buffers in coalesce(segments[lo : min(hi, buffered_from)]):
-                end = max(end, offset + write_fully(self, fd, buffers, offset))
-        if hi > buffered_from:
-            if flags & O_DIRECT and lo <= buffered_from:
-                self.clear_direct(fd, flags)
-            for offset, buffers in coalesce(segments[max(lo, buffered_from) : hi]):
-                end = max(end, offset + write_fully(self, fd, buffers, offset))
-        return end
 
     def read_regular(  # noqa: PLR0913 - the file, its expected size, and what to fill
         self,
@@ -422,9 +413,10 @@ class FileIO:
                     raise
                 raise refused from None
             return _native_read(path, outcome, file_nbytes, allow_trailer)
+        checked = check_read(path, flags, segments, file_nbytes, touch_if_older_than_ns)
 
         def read(fd: int) -> None:
-            for offset, buffers in coalesce(segments):
+            for offset, buffers in coalesce(checked):
                 read_run(self, fd, buffers, offset)
 
         return self._read_regular_with(
@@ -487,16 +479,18 @@ class FileIO:
                     raise
                 raise refused from None
             return _native_read(path, outcome, file_nbytes, False)
-        groups = _hashed_groups(segments, h)
+        geometry = (h.first, h.last, h.chunk_nbytes, h.group_nbytes)
+        checked = check_read(path, flags, segments, file_nbytes, touch_if_older_than_ns, geometry)
+        groups = _hashed_groups(checked, h)
 
         def read(fd: int) -> None:
-            for offset, buffers in coalesce(segments[: h.first]):
+            for offset, buffers in coalesce(checked[: h.first]):
                 read_run(self, fd, buffers, offset)
             done = 0
             for offset, parts in groups:
                 read_run(self, fd, parts, offset)
                 done = _hash_parts(h, parts, done)
-            for offset, buffers in coalesce(segments[h.last :]):
+            for offset, buffers in coalesce(checked[h.last :]):
                 read_run(self, fd, buffers, offset)
 
         return self._read_regular_with(
@@ -507,10 +501,15 @@ class FileIO:
         """Publish a written temporary file: ``fdatasync`` it on ``fd`` (None: not synced,
         a store without durability), then :meth:`rename` it to ``final``, never replacing a
         name (FileExistsError, ``filename2`` = ``final``). ``fd`` stays open."""
+        if fd is not None and fd < 0:  # the native call's -1 means "no sync": never a caller's
+            raise ValueError(
+                f"sync_and_rename: expected a descriptor >= 0, or None for no sync, got {fd}"
+            )
         if self._native_allowed and (native := native_fileproto()) is not None:
             if not native.sync_and_rename(-1 if fd is None else fd, tmp, final):
                 self.rename(tmp, final)  # no renameat2 here: rename_noreplace's fallbacks
             return
+        check_sync_and_rename(fd, tmp, final)  # names first: nothing synced for a bad name
         if fd is not None:
             self.fdatasync(fd)
         self.rename(tmp, final)
@@ -526,21 +525,22 @@ class FileIO:
             and native_xxh3_capsule() is not None
         )
 
-    def _piece_batch_binding(self, call: str) -> tuple[NativeFileProto, object]:
-        """The extension and the xxh3 capsule a piece batch runs with; RuntimeError naming
-        ``call`` where :attr:`native_piece_batches` is false."""
+    def _piece_batch_binding(self) -> tuple[NativeFileProto, object] | None:
+        """The extension and the xxh3 capsule a piece batch runs with natively; None where
+        :attr:`native_piece_batches` is false (the Python reference runs)."""
         native = native_fileproto()
         xxh3 = native_xxh3_capsule()
         if not self.native_piece_batches or native is None or xxh3 is None:
-            raise RuntimeError(f"{call}: runs only natively, for the plain FileIO")
+            return None
         return native, xxh3
 
     def publish_pieces(
         self, blocks: Sequence[PieceBlock], flags: int, mode: int, plan: PiecePlan
     ) -> list[int]:
         """Write and name whole raw dense blocks given as pieces (:class:`PiecePlan`), in one
-        native call with the GIL released for the whole batch (only where
-        :attr:`native_piece_batches`; a :class:`RuntimeError` elsewhere).
+        native call with the GIL released for the whole batch where
+        :attr:`native_piece_batches`, else block by block through this object's primitives
+        (:mod:`kvstore.io.piece_batch`, the reference: the same steps and statuses).
 
         Per block ``(tmp, final, header, span)``, in order: ``lstat(final)`` (a regular file
         there: :data:`ALREADY_THERE`, nothing written), the span's chunks hashed (xxh3) into
@@ -553,7 +553,10 @@ class FileIO:
         with ``tmp`` removed: the caller takes that block through those methods one by one
         (they are the reference, and report the failure in their words). No sync: for
         stores without durability."""
-        native, xxh3 = self._piece_batch_binding("publish_pieces")
+        bound = self._piece_batch_binding()
+        if bound is None:
+            return piece_batch.publish_pieces(self, blocks, flags, mode, plan)
+        native, xxh3 = bound
         return native.publish_pieces(
             blocks,
             flags,
@@ -580,7 +583,8 @@ class FileIO:
     ) -> list[int]:
         """Read whole raw dense blocks into pieces and verify them (:class:`PiecePlan`: the
         index is not read), in one native call with the GIL released for the whole batch
-        (only where :attr:`native_piece_batches`; a :class:`RuntimeError` elsewhere).
+        where :attr:`native_piece_batches`, else block by block through this object's
+        primitives (:mod:`kvstore.io.piece_batch`, the reference: the same statuses).
 
         Per block ``(path, header, span)``, in order: :meth:`read_regular`'s steps (open,
         ``fstat``, a regular file of ``plan.file_nbytes`` bytes, one ``preadv`` of the
@@ -591,10 +595,16 @@ class FileIO:
         quarantines what is wrong. The header's other fields are the caller's to check.
         ``direct``: open with O_DIRECT each block whose header and pieces are aligned to
         ``plan.alignment`` in address and length (the others buffered)."""
-        native, xxh3 = self._piece_batch_binding("read_pieces")
+        flags = os.O_RDONLY | (O_DIRECT if direct else 0)
+        bound = self._piece_batch_binding()
+        if bound is None:
+            return piece_batch.read_pieces(
+                self, blocks, flags, header_nbytes, plan, touch_if_older_than_ns
+            )
+        native, xxh3 = bound
         return native.read_pieces(
             blocks,
-            os.O_RDONLY | (O_DIRECT if direct else 0),
+            flags,
             plan.file_nbytes,
             header_nbytes,
             plan.piece_nbytes,
@@ -675,7 +685,9 @@ def _native_read(path: str, outcome: ReadOutcome, file_nbytes: int, allow_traile
 _GROUP_PARTS = 64
 
 
-def _hashed_groups(segments: Sequence[Segment], h: Hashing) -> list[tuple[int, list[memoryview]]]:
+def _hashed_groups(
+    segments: Sequence[tuple[int, memoryview]], h: Hashing
+) -> list[tuple[int, list[memoryview]]]:
     """The groups of a hashed transfer, as kvstore/_fileproto.c's ``hashed_transfer`` cuts
     them: ``(file offset, pieces)``, each a file-contiguous run of whole chunks of at most
     ``h.group_nbytes`` (rounded down to whole chunks, at least one) in at most
@@ -694,21 +706,15 @@ def _hashed_groups(segments: Sequence[Segment], h: Hashing) -> list[tuple[int, l
             "file protocol: expected chunk_nbytes > 0 and group_nbytes > 0, got "
             f"{size} and {h.group_nbytes}"
         )
-    views = [memoryview(data).cast("B") for _, data in segments[h.first : h.last]]
+    views = [data for _, data in segments[h.first : h.last]]
     for i, view in enumerate(views, h.first):
         if len(view) % size:
             raise ValueError(
                 f"file protocol: expected hashed segment {i} to hold whole chunks of {size} "
                 f"bytes, got {len(view)} bytes"
             )
-    chunks = sum(len(v) for v in views) // size
-    sums = h.sums.data
-    fmt = sums.format.lstrip("@=<" if sys.byteorder == "little" else "@=>!")
-    if sums.itemsize != 8 or fmt not in ("Q", "L") or sums.nbytes // 8 < chunks:
-        raise ValueError(
-            f"file protocol: expected sums of at least {chunks} native uint64 values, got "
-            f"format '{sums.format}', {sums.nbytes} bytes"
-        )
+    check_uint64_sums(h.sums, sum(len(v) for v in views) // size)
+    check_sums_apart(h.sums, views, h.first)
     # Whole chunks, at least one: a chunk larger than the group is a group of its own.
     group = size if h.group_nbytes < size else h.group_nbytes - h.group_nbytes % size
     offsets = [offset for offset, _ in segments[h.first : h.last]]
@@ -771,75 +777,3 @@ def _check_run(short: tuple[int, int, int] | None) -> None:
     :func:`read_run` raises it."""
     if short is not None:
         raise CorruptBlockError(_short_read(*short))
-
-
-def coalesce(segments: Sequence[Segment]) -> list[tuple[int, list[memoryview]]]:
-    """Group file-contiguous segments into (offset, buffers) runs for one vectored call each."""
-    n = len(segments)
-    if n == 1:
-        offset, data = segments[0]
-        return [(offset, [data])]
-    if n == 2:  # the common case of a small block: header, then the data right after it
-        (first, head), (second, tail) = segments
-        if second == first + len(head):
-            return [(first, [head, tail])]
-    runs: list[tuple[int, list[memoryview]]] = []
-    end = -1
-    for offset, data in segments:
-        if offset == end:
-            runs[-1][1].append(data)
-        else:
-            runs.append((offset, [data]))
-        end = offset + len(data)
-    return runs
-
-
-def write_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> int:
-    """``pwritev`` all of ``buffers`` at ``offset``, in IOV_MAX batches, retrying short writes;
-    returns the bytes written (all of them).
-
-    A write that makes no progress raises ``OSError(ENOSPC)`` rather than looping forever.
-    """
-    pending = [memoryview(b).cast("B") for b in buffers]
-    pos = offset
-    while pending:
-        # The common case, all of it in one call, slices nothing.
-        batch = pending if len(pending) <= IOV_MAX else pending[:IOV_MAX]
-        want = sum(map(len, batch))
-        done = fio.pwritev(fd, batch, pos)
-        if done <= 0:
-            raise OSError(errno.ENOSPC, "pwritev made no progress")
-        pos += done
-        pending = _advance(pending, done) if done < want else pending[len(batch) :]
-    return pos - offset
-
-
-def read_fully(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> int:
-    """``preadv`` into all of ``buffers`` from ``offset``; returns bytes read (short at EOF)."""
-    pending = [memoryview(b).cast("B") for b in buffers]
-    pos = offset
-    total = 0
-    while pending:
-        batch = pending if len(pending) <= IOV_MAX else pending[:IOV_MAX]
-        want = sum(map(len, batch))
-        done = fio.preadv(fd, batch, pos)
-        if done <= 0:
-            return total
-        total += done
-        pos += done
-        pending = _advance(pending, done) if done < want else pending[len(batch) :]
-    return total
-
-
-def _advance(buffers: list[memoryview], nbytes: int) -> list[memoryview]:
-    """``buffers`` with the first ``nbytes`` consumed."""
-    out = list(buffers)
-    while nbytes:
-        head = out[0]
-        if len(head) <= nbytes:
-            nbytes -= len(head)
-            out.pop(0)
-        else:
-            out[0] = head[nbytes:]
-            nbytes = 0
-    return out

@@ -9,21 +9,20 @@ calls costs several times the calls themselves (docs/performance.md). :class:`Fi
 the reference, the fallback when the extension is missing, and what every subclass of FileIO
 runs (tests that record calls or inject faults keep seeing every step).
 
-Bound once per process on first use, like the native xxh3 batch of :mod:`kvstore.checksum`:
-imported by name, self-tested (the flag values it was compiled with must be this Python's),
-and, when anything fails, one WARNING and the Python reference from then on.
+Bound once per process on first use by :mod:`kvstore.native` (the ``KVSTORE_NATIVE`` switch),
+like the native xxh3 batch of :mod:`kvstore.checksum`: self-tested (the flag values it was
+compiled with must be this Python's) and, when anything fails, one WARNING and the Python
+reference from then on.
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
 import os
-import threading
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any, Protocol
 
-log = logging.getLogger("kvstore.io")
+from kvstore.native import NativeBinding
 
 # read_regular's result: st_mode, st_size, st_dev, st_ino, st_mtime_ns, and None or the
 # (offset, expected, got) of a run that came back short.
@@ -132,49 +131,26 @@ class NativeFileProto(Protocol):
     ) -> list[int]: ...
 
 
-_lock = threading.Lock()
-# (the module or None, why it is not used or None); None until the first use binds.
-_state: tuple[NativeFileProto | None, str | None] | None = None
-
-
-def native_fileproto() -> NativeFileProto | None:
-    """The bound extension, or None (the Python reference is used)."""
-    state = _state
-    if state is None:
-        state = _binding()
-    return state[0]
-
-
-def native_fileproto_unavailable() -> str | None:
-    """Why the native file protocol is not used (binding it on first call), None when it is."""
-    return _binding()[1]
-
-
-def _binding() -> tuple[NativeFileProto | None, str | None]:
-    global _state  # noqa: PLW0603 - the once-per-process binding
-    with _lock:
-        if _state is None:
-            native, why = _bind()
-            if why is not None:
-                log.warning(
-                    "native file protocol unavailable: %s; using the Python file calls", why
-                )
-            _state = (native, why)
-        return _state
-
-
-def _bind() -> tuple[NativeFileProto | None, str | None]:
-    """Import the extension and check that it was built for this platform's flag values."""
-    try:
-        # By name: import-linter sees no .py file for a C module (see kvstore/checksum.py).
-        module: Any = importlib.import_module("kvstore._fileproto")
-    except ImportError as exc:
-        return None, f"extension kvstore._fileproto not built ({exc})"
+def _bind(module: ModuleType) -> tuple[NativeFileProto | None, str | None]:
+    """The extension, once it is checked to be built for this platform's flag values."""
     wrong = self_test(module.constants())
     if wrong is not None:
         return None, f"kvstore._fileproto failed its self-test: {wrong}"
     native: NativeFileProto = module
     return native, None
+
+
+NATIVE_FILEPROTO = NativeBinding("kvstore._fileproto", _bind, "using the Python file calls")
+
+
+def native_fileproto() -> NativeFileProto | None:
+    """The bound extension, or None (the Python reference is used)."""
+    return NATIVE_FILEPROTO.get()
+
+
+def native_fileproto_unavailable() -> str | None:
+    """Why the native file protocol is not used (binding it on first call), None when it is."""
+    return NATIVE_FILEPROTO.unavailable()
 
 
 def self_test(constants: dict[str, int]) -> str | None:

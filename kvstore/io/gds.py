@@ -43,11 +43,12 @@ from kvstore.io.cufile import CuFileHandle, CuFiles, IOFuture
 from kvstore.io.device import DeviceOps
 from kvstore.io.engine import AnySegment, Data
 from kvstore.io.entries import FileId, corrupt_file_is, file_id
-from kvstore.io.fileio import DEFAULT_FILEIO, FileIO, read_fully, write_fully
+from kvstore.io.fileio import DEFAULT_FILEIO, FileIO
 from kvstore.io.host import HostEngine
 from kvstore.io.newfile import plan_new_file
 from kvstore.io.staging import DeviceStaging
 from kvstore.io.types import Segment
+from kvstore.io.vectored import read_fully, write_fully
 
 
 class GdsEngine(HostEngine):

@@ -39,23 +39,24 @@ from typing import TypeVar
 
 import numpy as np
 
+from kvstore.callargs import address, ssize
 from kvstore.checksum import chunk_sums
 from kvstore.config import StoreConfig
 from kvstore.errors import BlockMissingError, ConfigError
 from kvstore.io.align import ALIGN, align_up
-from kvstore.io.buffers import ThreadStaging, address_of, aligned_buffer, is_aligned
+from kvstore.io.buffers import ThreadStaging, aligned_buffer, is_aligned
+from kvstore.io.callcheck import check_segments
 from kvstore.io.entries import FileId
 from kvstore.io.fileio import (
     DEFAULT_FILEIO,
     O_DIRECT,
     FileIO,
-    coalesce,
     filesystem_type,
-    write_fully,
 )
 from kvstore.io.fileproto import native_fileproto
 from kvstore.io.newfile import NewFilePlan, plan_new_file
 from kvstore.io.types import DirectIOProbe, Hashing, Segment
+from kvstore.io.vectored import coalesce, write_fully
 
 log = logging.getLogger("kvstore.io")
 
@@ -453,7 +454,9 @@ def _in_place_writes(
         return None
     native = native_fileproto()  # no I/O: for any FileIO
     first, address_aligned = (
-        native.first_unaligned(segments, ALIGN) if native else _first_unaligned(segments)
+        native.first_unaligned(segments, ALIGN)
+        if native
+        else first_unaligned_reference(segments, ALIGN)
     )
     last = len(segments) - 1
     if first > last:
@@ -469,10 +472,18 @@ def _in_place_writes(
     return writes, len(writes) - 1
 
 
-def _first_unaligned(segments: Sequence[Segment]) -> tuple[int, bool]:
-    """The first segment not page-aligned in address or length (``len(segments)`` if none)
-    and whether its address is (the native ``first_unaligned`` in Python)."""
-    for i, (_, data) in enumerate(segments):
-        if not is_aligned(data):
-            return i, not len(data) or address_of(data) % ALIGN == 0
-    return len(segments), True
+def first_unaligned_reference(segments: Sequence[Segment], alignment: int) -> tuple[int, bool]:
+    """The first segment whose memory is not ``alignment``-aligned in address or length
+    (``len(segments)`` if none) and whether its address is: the native ``first_unaligned``
+    in Python, with its checks (an alignment > 0, the segments as ``check_segments`` takes
+    them)."""
+    alignment = ssize(alignment, "alignment")
+    if alignment <= 0:
+        raise ValueError(f"first_unaligned: expected an alignment > 0, got {alignment}")
+    checked = check_segments(segments, writable=False)
+    for i, (_, data) in enumerate(checked):
+        address_ok = address(data) % alignment == 0
+        # An empty buffer's address is moot (is_aligned in kvstore/io/buffers.py).
+        if len(data) % alignment or (len(data) and not address_ok):
+            return i, address_ok
+    return len(checked), True

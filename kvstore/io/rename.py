@@ -15,6 +15,8 @@ import errno
 import os
 from typing import Any
 
+from kvstore.callargs import path_bytes
+
 RENAME_NOREPLACE = 1  # linux/fs.h
 AT_FDCWD = -100
 # errnos meaning "this file system (or kernel) lacks the operation", not "it failed"
@@ -34,6 +36,17 @@ def load_renameat2() -> Any:
 
 
 _renameat2 = load_renameat2()
+
+
+def renameat2_noreplace(src: bytes, dst: bytes) -> int:
+    """``renameat2(src, dst, RENAME_NOREPLACE)`` alone, as kvstore/_fileproto.c's batch
+    publish calls it (no fallback): 0, or the errno it failed with (ENOSYS where the C
+    library lacks the call)."""
+    if _renameat2 is None:
+        return errno.ENOSYS
+    if _renameat2(AT_FDCWD, src, AT_FDCWD, dst, RENAME_NOREPLACE) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 def rename_noreplace(src: str, dst: str) -> None:
@@ -65,8 +78,9 @@ def rename_noreplace_at(src_dir_fd: int | None, src: str, dst_dir_fd: int | None
     working directory, as ``AT_FDCWD``): a directory opened by
     :func:`~kvstore.io.entries.open_dir_nofollow` stays the directory checked, whatever is
     renamed or linked above it meanwhile."""
+    # A NUL would end the name the C library sees: the file would get another name.
+    paths = (path_bytes(src), path_bytes(dst))
     if _renameat2 is not None:
-        paths = (os.fsencode(src), os.fsencode(dst))
         src_at = AT_FDCWD if src_dir_fd is None else src_dir_fd
         dst_at = AT_FDCWD if dst_dir_fd is None else dst_dir_fd
         if _renameat2(src_at, paths[0], dst_at, paths[1], RENAME_NOREPLACE) == 0:

@@ -51,7 +51,8 @@ from kvstore.checksum import (
 )
 from kvstore.errors import CorruptBlockError, EntryKindError, StoreFormatError
 from kvstore.io.entries import FileId, describe_os_error, file_id
-from kvstore.io.fileio import DEFAULT_FILEIO, read_fully
+from kvstore.io.fileio import DEFAULT_FILEIO
+from kvstore.io.vectored import read_fully
 from kvstore.keys import hash_coords
 from kvstore.store import format as fmt
 from kvstore.store.codec import Codec, compressed_bounds, decode_index

@@ -68,8 +68,8 @@ from kvstore.errors import BlockMissingError, ConfigError, CorruptBlockError, Kv
 from kvstore.io.buffers import ThreadStaging
 from kvstore.io.engine import Engine
 from kvstore.io.entries import FileId, corrupt_file_is
-from kvstore.io.fileio import read_fully
 from kvstore.io.types import Segment
+from kvstore.io.vectored import read_fully
 from kvstore.store import check
 from kvstore.store import format as fmt
 from kvstore.store.check import ShardSpec

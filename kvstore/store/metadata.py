@@ -24,7 +24,8 @@ from kvstore.config import COMPRESSION_NAME
 from kvstore.errors import StoreFormatError
 from kvstore.identity import GroupSpec, Identity
 from kvstore.io.entries import describe_kind, describe_os_error
-from kvstore.io.fileio import FileIO, sync_parents, write_fully
+from kvstore.io.fileio import FileIO, sync_parents
+from kvstore.io.vectored import write_fully
 from kvstore.store.codec import Codec
 from kvstore.store.format import FORMAT_VERSION, ShardLayout
 from kvstore.store.paths import DOC_TMP_PREFIX, ZARR_JSON

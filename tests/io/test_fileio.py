@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from kvstore.config import StoreConfig
-from kvstore.io.fileio import IOV_MAX, O_DIRECT, FileIO, read_fully, write_fully
+from kvstore.io.fileio import O_DIRECT, FileIO
+from kvstore.io.vectored import IOV_MAX, read_fully, write_fully
 from kvstore.store.page_store import KVStore
 from kvstore.store.types import BlockWrite, ChunkWrite, WriteStatus
 from tests.helpers import block_bytes, block_hash, make_small_identity

@@ -28,6 +28,7 @@ from kvstore.io import fileproto, host
 from kvstore.io.buffers import aligned_buffer
 from kvstore.io.fileio import O_DIRECT, FileIO
 from kvstore.io.host import HostEngine, probe_direct_io
+from kvstore.native import BindingState, native_mode
 
 NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 REPO = Path(__file__).resolve().parents[2]
@@ -329,7 +330,7 @@ def test_plain_fileio_alone_goes_native(
                 calls.append(name)
             return getattr(real, name)
 
-    monkeypatch.setattr(fileproto, "_state", (Counting(), None))
+    monkeypatch.setattr(fileproto.NATIVE_FILEPROTO, "_state", BindingState(Counting(), None, None))
     config = StoreConfig(root=tmp_path, direct_io="auto", durability="full")
     for fio, native_calls in ((native, ["write_new", "read_regular"]), (Reference(), [])):
         calls.clear()
@@ -421,18 +422,23 @@ def test_a_write_past_the_file_size_limit_fails_cleanly(tmp_path: Path) -> None:
 
 
 def test_native_required() -> None:
-    """CI sets KVTEST_REQUIRE_NATIVE=1: there the extension must build and bind, or every
+    """CI sets KVSTORE_NATIVE=require: there the extension must build and bind, or every
     block silently pays the Python file calls again."""
-    if os.environ.get("KVTEST_REQUIRE_NATIVE") != "1":
-        pytest.skip("KVTEST_REQUIRE_NATIVE is not 1")
+    if native_mode() != "require":
+        pytest.skip("KVSTORE_NATIVE is not require")
     assert fileproto.native_fileproto_unavailable() is None
 
 
 @pytest.fixture
 def unbound(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The binding undone, so that the next use binds again (under the test's patches)."""
-    monkeypatch.setattr(fileproto, "_state", None)
+    """The binding undone, so that the next use binds again (under the test's patches, and
+    the real extension once they are undone)."""
+    monkeypatch.delenv("KVSTORE_NATIVE", raising=False)
+    monkeypatch.delenv("KVSTORE_NATIVE_DIR", raising=False)
+    fileproto.NATIVE_FILEPROTO.reset()
     yield
+    monkeypatch.undo()
+    fileproto.NATIVE_FILEPROTO.reset()
 
 
 def test_missing_extension_falls_back_with_one_warning(
@@ -450,7 +456,7 @@ def test_missing_extension_falls_back_with_one_warning(
 
     monkeypatch.setattr(importlib, "import_module", no_extension)
     fio = FileIO()
-    with caplog.at_level(logging.WARNING, logger="kvstore.io"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.native"):
         for i in range(3):
             path = str(tmp_path / f"f{i}")
             os.close(fio.write_new(path, NEW, 0o600, [(0, memoryview(b"abc"))], 3))
@@ -458,7 +464,7 @@ def test_missing_extension_falls_back_with_one_warning(
             fio.read_regular(path, os.O_RDONLY, [(0, out)], 3)
             assert bytes(out) == b"abc"
             fio.sync_and_rename(None, path, path + ".published")
-    warnings = [r for r in caplog.records if "native file protocol unavailable" in r.message]
+    warnings = [r for r in caplog.records if "kvstore._fileproto unavailable" in r.message]
     assert len(warnings) == 1
     assert "extension kvstore._fileproto not built" in warnings[0].message
     assert fileproto.native_fileproto() is None
@@ -548,7 +554,7 @@ def test_first_unaligned_matches_python(
         segments.append((0, memory[shift : shift + length].data))
     module = fileproto.native_fileproto()
     assert module is not None
-    assert module.first_unaligned(segments, 4096) == host._first_unaligned(segments)
+    assert module.first_unaligned(segments, 4096) == host.first_unaligned_reference(segments, 4096)
 
 
 @pytest.mark.parametrize(

@@ -163,8 +163,6 @@ def test_a_durable_store_and_a_filio_subclass_take_the_block_by_block_path(
         assert hit.status is ReadStatus.HIT
     assert calls["publish"] == 0
     assert calls["read"] == 1  # the durable store's reads are batched (reads never sync)
-    with pytest.raises(RuntimeError, match="only natively"):
-        Recording().publish_pieces([], 0, 0o600, None)  # type: ignore[arg-type]
 
 
 def test_existing_blocks_lost_fanouts_and_taken_names(
@@ -251,9 +249,11 @@ def test_a_batch_read_finds_what_the_block_by_block_read_finds(
     assert outcomes["batch"] == outcomes["one"]
 
 
-def test_the_native_calls_refuse_bad_plans(tmp_path: Path) -> None:
-    """Bad geometry is a ValueError before any file is touched: pieces off chunk
-    boundaries, a slot order that is not a permutation, a header of the wrong size."""
+@pytest.mark.parametrize("fio", [FileIO(), Reference()], ids=["native", "reference"])
+def test_the_batch_calls_refuse_bad_plans(tmp_path: Path, fio: FileIO) -> None:
+    """Bad geometry is a ValueError before any file is touched, natively and in the
+    reference alike: pieces off their places, a slot order other than the one the starts
+    give, a header of the wrong size."""
     row = np.zeros(6 * 4096, dtype=np.uint8)
     view = row.reshape(2, 3, 4096).transpose(1, 0, 2)
     pieces = block_pieces(view, row.size, 4096)
@@ -261,13 +261,12 @@ def test_the_native_calls_refuse_bad_plans(tmp_path: Path) -> None:
     plan = piece_plan(
         pieces.geometry, 4096 + row.size + 4096, memoryview(bytes(64)), 4096 + row.size
     )
-    fio = FileIO()
     header = memoryview(bytearray(4096))
     final = str(tmp_path / "block")
     block = (str(tmp_path / ".block.tmp-x"), final, header, pieces.span)
     bad = {
-        "chunk boundaries": plan.__class__(**{**_fields(plan), "starts": plan.starts + 1}),
-        "permutation": plan.__class__(**{**_fields(plan), "slot_of": np.zeros_like(plan.slot_of)}),
+        "to tile the": plan.__class__(**{**_fields(plan), "starts": plan.starts + 1}),
+        "slot_of": plan.__class__(**{**_fields(plan), "slot_of": np.zeros_like(plan.slot_of)}),
     }
     for words, wrong in bad.items():
         with pytest.raises(ValueError, match=words):
@@ -282,6 +281,10 @@ def test_the_native_calls_refuse_bad_plans(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
     assert fio.publish_pieces([block], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, plan) == [1]
     assert fio.read_pieces([(final, header, pieces.span)], 4096, plan, 0) == [1]
+
+
+class Reference(FileIO):
+    """A subclass: the Python reference of the batch calls."""
 
 
 def _fields(plan: Any) -> dict[str, Any]:
