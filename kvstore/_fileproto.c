@@ -714,7 +714,7 @@ regular_file(PyObject *name, PyObject *path, int flags, segment *segs, Py_ssize_
     Py_BEGIN_ALLOW_THREADS
     int fd;
     do {
-        fd = open(cpath, flags | OPEN_FLAGS);
+        fd = open(cpath, flags | OPEN_FLAGS, 0600); /* a caller's O_CREAT: FileIO.open's mode */
     } while (fd < 0 && errno == EINTR);
     if (fd < 0) {
         err = errno;
@@ -1323,7 +1323,7 @@ read_piece_block(const piece_plan *p, piece_block *b, segment *segs, long long t
                                                                     : p->flags & ~O_DIRECT;
     int fd;
     do {
-        fd = open(path, flags | OPEN_FLAGS);
+        fd = open(path, flags | OPEN_FLAGS, 0600); /* as read_regular */
     } while (fd < 0 && errno == EINTR);
     if (fd < 0) {
         return -errno;

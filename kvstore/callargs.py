@@ -72,7 +72,17 @@ def buffer_view(obj: object, writable: bool) -> memoryview | None:
         return None
     if not view.c_contiguous or (writable and view.readonly):
         return None
-    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+    if view.ndim == 1 and view.format == "B" and view.strides in ((1,), (0,)):
+        return view
+    if view.ndim == 1 and view.format == "B" and len(view) <= 1:
+        # one byte at an odd stride is contiguous to the C: the same byte, flat
+        return view if writable else memoryview(view.tobytes())
+    try:
+        return view.cast("B")
+    except (TypeError, BufferError):
+        # contiguous by its strides but not castable (one item, odd strides): its bytes as
+        # the C sees them
+        return None if writable else memoryview(view.tobytes())
 
 
 def int64(value: object, name: str) -> int:

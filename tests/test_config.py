@@ -298,7 +298,7 @@ def test_every_field_refuses_wrong_types_with_config_error(field: str, value: ob
 def test_from_env_passes_over_the_native_switch() -> None:
     """KVSTORE_NATIVE and KVSTORE_NATIVE_DIR are the process's (kvstore/native.py), not a
     store's: CI exports them, and a store configured from the environment still opens."""
-    base = StoreConfig(root="/base")
+    base = StoreConfig(root=Path("/base"))
     environ = {"KVSTORE_NATIVE": "require", "KVSTORE_NATIVE_DIR": "/build", "PATH": "/bin"}
     assert StoreConfig.from_env(base, environ=environ) == base
     with pytest.raises(ConfigError, match="unknown environment variable KVSTORE_NATIVES"):

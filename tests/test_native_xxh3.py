@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 from collections.abc import Iterator
 from types import ModuleType
@@ -17,8 +16,8 @@ import torch
 import xxhash
 
 from kvstore import checksum
-from kvstore.native import import_extension, native_mode
 from kvstore.checksum import XXH3_64, chunk_sums
+from kvstore.native import import_extension, native_mode
 
 
 def _native_module() -> ModuleType:

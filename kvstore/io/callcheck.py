@@ -122,11 +122,13 @@ def check_read(  # noqa: PLR0913 - read_regular's arguments
     file_nbytes: int,
     touch_if_older_than_ns: int,
     hashing: Sequence[int] = (),
+    allow_trailer: object = False,
 ) -> list[tuple[int, memoryview]]:
     """read_regular's (and, with the ``hashing`` scalars, read_regular_hashed's first)
     checks, in the C's order."""
     cint(flags, "flags")
     ssize(file_nbytes, "expected_size")
+    bool(allow_trailer)  # PyArg's "p": the object's truth, which may raise
     int64(touch_if_older_than_ns, "touch_if_older_than_ns")
     for value in hashing:
         ssize(value, "hashing")
@@ -236,8 +238,9 @@ def check_piece_plan(  # noqa: PLR0913 - the C call's scalars, in its order
     whole chunks, slot_of is the chunk order their starts give, the checksum slots lie in the
     header, header, span and index in the file."""
     p = plan
+    publishing = header_nbytes is None
     cint(flags, "flags")
-    if mode is not None:
+    if publishing:
         cint(mode, "mode")
     file_nbytes = ssize(p.file_nbytes, "file_nbytes")
     if header_nbytes is not None:
@@ -245,13 +248,13 @@ def check_piece_plan(  # noqa: PLR0913 - the C call's scalars, in its order
     piece = ssize(p.piece_nbytes, "piece_nbytes")
     chunk = ssize(p.chunk_nbytes, "chunk_nbytes")
     slots_offset = ssize(p.slots_offset, "slots_offset")
-    if touch_if_older_than_ns is not None:
+    if not publishing:
         int64(touch_if_older_than_ns, "touch_if_older_than_ns")
     if header_nbytes is None:
         ssize(p.index_offset, "index_offset")
     alignment = ssize(p.alignment, "alignment")
-    if mode is not None:
-        check_mode(call, mode)
+    if publishing:
+        check_mode(call, mode)  # type: ignore[arg-type]
     starts = int64_values(call, p.starts, "starts", -1)
     npieces = len(starts)
     if (

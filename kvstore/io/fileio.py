@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import operator
 import os
 import stat
 import sys
@@ -307,6 +308,7 @@ class FileIO:
         if self._native_allowed and (native := native_fileproto()) is not None:
             return native.write_new(path, flags, mode, segments, stop, file_nbytes)
         checked = check_new_file(path, flags, mode, segments, stop, file_nbytes)
+        flags, mode = operator.index(flags), operator.index(mode)  # numpy integers too
         fd = self.open(path, flags, mode)
         try:
             end = write_runs(self, fd, flags, checked, 0, len(checked), stop, 0)
@@ -362,6 +364,7 @@ class FileIO:
         geometry = (h.first, h.last, h.chunk_nbytes, h.group_nbytes)
         checked = check_new_file(path, flags, mode, segments, stop, file_nbytes, geometry)
         groups = _hashed_groups(checked, h)
+        flags, mode = operator.index(flags), operator.index(mode)  # numpy integers too
         if flags & O_DIRECT and h.last > stop and h.last > h.first:
             raise ValueError(
                 f"write_new_hashed: expected the hashed segments [{h.first}, {h.last}) before "
@@ -413,7 +416,10 @@ class FileIO:
                     raise
                 raise refused from None
             return _native_read(path, outcome, file_nbytes, allow_trailer)
-        checked = check_read(path, flags, segments, file_nbytes, touch_if_older_than_ns)
+        checked = check_read(
+            path, flags, segments, file_nbytes, touch_if_older_than_ns, (), allow_trailer
+        )
+        flags = operator.index(flags)
 
         def read(fd: int) -> None:
             for offset, buffers in coalesce(checked):
@@ -481,6 +487,7 @@ class FileIO:
             return _native_read(path, outcome, file_nbytes, False)
         geometry = (h.first, h.last, h.chunk_nbytes, h.group_nbytes)
         checked = check_read(path, flags, segments, file_nbytes, touch_if_older_than_ns, geometry)
+        flags = operator.index(flags)
         groups = _hashed_groups(checked, h)
 
         def read(fd: int) -> None:
@@ -511,7 +518,7 @@ class FileIO:
             return
         check_sync_and_rename(fd, tmp, final)  # names first: nothing synced for a bad name
         if fd is not None:
-            self.fdatasync(fd)
+            self.fdatasync(operator.index(fd))
         self.rename(tmp, final)
 
     @property
@@ -748,7 +755,8 @@ def _hash_parts(h: Hashing, parts: Sequence[memoryview], done: int) -> int:
     the values written so far."""
     for part in parts:
         count = len(part) // h.chunk_nbytes
-        chunk_sums(h.algo, part, h.chunk_nbytes, count, h.sums[done : done + count])
+        flat = h.sums.reshape(-1)  # any C-contiguous shape, as the C takes it
+        chunk_sums(h.algo, part, h.chunk_nbytes, count, flat[done : done + count])
         done += count
     return done
 

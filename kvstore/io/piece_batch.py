@@ -11,7 +11,9 @@ The arguments are checked first, as the C checks them (:mod:`kvstore.io.callchec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import operator
 import os
 import stat
 from collections.abc import Sequence
@@ -48,6 +50,8 @@ def publish_pieces(
     checks, steps and statuses as the native call, through ``fio``'s primitives."""
     checked = check_piece_plan("publish_pieces", plan, None, flags, mode)
     items = check_piece_blocks("publish_pieces", blocks, checked, reading=False)
+    flags, mode = operator.index(flags), operator.index(mode)  # numpy integers too
+    plan = _plain(plan, publishing=True)
     index = buffer_view(plan.index, writable=False)
     assert index is not None  # checked above
     outcomes = []
@@ -72,10 +76,28 @@ def read_pieces(  # noqa: PLR0913 - the C call's arguments
         "read_pieces", plan, header_nbytes, flags, None, touch_if_older_than_ns
     )
     items = check_piece_blocks("read_pieces", blocks, checked, reading=True)
+    flags = operator.index(flags)
+    touch_if_older_than_ns = operator.index(touch_if_older_than_ns)
+    plan = _plain(plan, publishing=False)
     return [
         _read_one(fio, plan, checked, path, header, span, flags, touch_if_older_than_ns)
         for _, path, header, span in items
     ]
+
+
+def _plain(plan: PiecePlan, publishing: bool) -> PiecePlan:
+    """``plan`` with its sizes as Python ints (numpy integers are taken, as the C takes them,
+    but must not meet machine addresses in numpy arithmetic)."""
+    return dataclasses.replace(
+        plan,
+        file_nbytes=operator.index(plan.file_nbytes),
+        piece_nbytes=operator.index(plan.piece_nbytes),
+        chunk_nbytes=operator.index(plan.chunk_nbytes),
+        slots_offset=operator.index(plan.slots_offset),
+        # a read has no index: its offset is not an argument of the call
+        index_offset=operator.index(plan.index_offset) if publishing else 0,
+        alignment=operator.index(plan.alignment),
+    )
 
 
 def _aligned(plan: PiecePlan, checked: CheckedPieces, header: memoryview, span: memoryview) -> bool:

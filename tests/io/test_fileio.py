@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from kvstore.config import StoreConfig
+from kvstore.io.callcheck import IOV_MAX
 from kvstore.io.fileio import O_DIRECT, FileIO
-from kvstore.io.vectored import IOV_MAX, read_fully, write_fully
+from kvstore.io.vectored import read_fully, write_fully
 from kvstore.store.page_store import KVStore
 from kvstore.store.types import BlockWrite, ChunkWrite, WriteStatus
 from tests.helpers import block_bytes, block_hash, make_small_identity

@@ -283,10 +283,6 @@ def test_the_batch_calls_refuse_bad_plans(tmp_path: Path, fio: FileIO) -> None:
     assert fio.read_pieces([(final, header, pieces.span)], 4096, plan, 0) == [1]
 
 
-class Reference(FileIO):
-    """A subclass: the Python reference of the batch calls."""
-
-
 def _fields(plan: Any) -> dict[str, Any]:
     return {name: getattr(plan, name) for name in plan.__slots__}
 
