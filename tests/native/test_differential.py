@@ -55,7 +55,7 @@ from kvstore.io.host import first_unaligned_reference
 from kvstore.io.types import Hashing, PiecePlan
 from tests.native.isolated import Outcome, run_isolated
 
-DEFAULT_EXAMPLES = 60  # two forks per example: the file runs in about a minute on 2 cores
+DEFAULT_EXAMPLES = 80  # two forks per example: the file runs in about a minute on 2 cores
 EXAMPLES = int(os.environ.get("KVTEST_DIFF_EXAMPLES") or DEFAULT_EXAMPLES)
 DIFF = settings(
     max_examples=EXAMPLES,
@@ -1154,9 +1154,19 @@ TWO_D_SUMS_WRITE = {
 }
 
 
+# Found by this test: chunk_nbytes a numpy int64 and group_nbytes a numpy uint64. The native
+# call takes both as integers; the reference's group arithmetic mixes the two numpy types
+# (float64) and slicing by it raises TypeError.
+MIXED_NUMPY_HASHING = replace(
+    TWO_D_SUMS_HASHING, chunk=np.int64(2), group=np.uint64(4), sums_kind="u64", sums_count=4
+)
+MIXED_NUMPY_WRITE = {**TWO_D_SUMS_WRITE, "hashing": MIXED_NUMPY_HASHING}
+
+
 @DIFF
 @given(case=write_cases(hashed=True))
 @example(case=TWO_D_SUMS_WRITE)
+@example(case=MIXED_NUMPY_WRITE)
 def test_write_new_hashed_matches_its_reference(case: dict[str, Any]) -> None:
     """FileIO().write_new_hashed (native) and the reference agree as write_new does, and on
     the checksums: the same values in ``sums`` (none past what was hashed), the same refusal
@@ -1317,21 +1327,27 @@ def test_read_regular_matches_its_reference(case: dict[str, Any]) -> None:
     _run_read(case)
 
 
+EIGHT_BYTES_READ: SegSpec = ("seq", "list", [("pair", 0, Mem("bytearray", 8, 1))])
 TWO_D_SUMS_READ = {
     **AMBIGUOUS_TRAILER,
     "layout": base_layout(t=("file", 8, 77)),
-    "segments": ("seq", "list", [("pair", 0, Mem("bytearray", 8, 1))]),
+    "segments": EIGHT_BYTES_READ,
     "file_nbytes": 8,
     "allow_trailer": False,
-    "hashing": replace(
-        TWO_D_SUMS_HASHING, segments=("seq", "list", [("pair", 0, Mem("bytearray", 8, 1))])
-    ),
+    "hashing": replace(TWO_D_SUMS_HASHING, segments=EIGHT_BYTES_READ),
+}
+
+
+MIXED_NUMPY_READ = {
+    **TWO_D_SUMS_READ,
+    "hashing": replace(MIXED_NUMPY_HASHING, segments=EIGHT_BYTES_READ),
 }
 
 
 @DIFF
 @given(case=read_cases(hashed=True))
 @example(case=TWO_D_SUMS_READ)
+@example(case=MIXED_NUMPY_READ)
 def test_read_regular_hashed_matches_its_reference(case: dict[str, Any]) -> None:
     """FileIO().read_regular_hashed (native) and the reference agree as read_regular does,
     and on the checksums of the hashed range: the same values in ``sums`` (none written
@@ -1801,9 +1817,20 @@ def _block_buffers(
     return buffers, memory
 
 
+# Found by this test: index_offset a numpy int64 near 2**63 (a 3-byte index ending past it).
+# The native call raises OverflowError; the reference's overflow check adds in numpy int64,
+# wraps, and a later check raises ValueError.
+WRAPPING_INDEX_PUBLISH = {
+    **NUMPY_FLAGS_PUBLISH,
+    "plan": simple_plan(index=Mem("bytes", 3, 5), index_offset=np.int64(2**63 - 2)),
+    "flags": NEW,
+}
+
+
 @DIFF
 @given(case=publish_cases())
 @example(case=NUMPY_FLAGS_PUBLISH)
+@example(case=WRAPPING_INDEX_PUBLISH)
 @example(case=INT32_ALIGNMENT_PUBLISH)
 @example(case=NO_MODE_PUBLISH)
 def test_publish_pieces_matches_its_reference(case: dict[str, Any]) -> None:
