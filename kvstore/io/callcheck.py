@@ -302,23 +302,24 @@ def check_piece_plan(  # noqa: PLR0913 - the C call's scalars, in its order
 def _header_before_index(call: str, p: PiecePlan, file_nbytes: int, span: int) -> int:
     """publish_pieces' index checks: a buffer inside the file after the span; the header is
     what comes before the pieces (they end where the index starts)."""
+    index_offset = operator.index(p.index_offset)  # a numpy integer would wrap below
     index = buffer_view(p.index, writable=False)
     if index is None:
         raise TypeError(
             f"{call}: expected the index as a contiguous buffer, got {type(p.index).__name__}"
         )
-    if p.index_offset < 0:
-        raise ValueError(f"{call}: expected the index at an offset >= 0, got {p.index_offset}")
-    if p.index_offset + len(index) > _SSIZE_MAX:
+    if index_offset < 0:
+        raise ValueError(f"{call}: expected the index at an offset >= 0, got {index_offset}")
+    if index_offset + len(index) > _SSIZE_MAX:
         raise OverflowError(
-            f"{call}: expected the {len(index)}-byte index at {p.index_offset} to end below 2**63"
+            f"{call}: expected the {len(index)}-byte index at {index_offset} to end below 2**63"
         )
-    if p.index_offset + len(index) > file_nbytes or p.index_offset < span:
+    if index_offset + len(index) > file_nbytes or index_offset < span:
         raise ValueError(
-            f"{call}: expected the {len(index)}-byte index at {p.index_offset} inside the "
+            f"{call}: expected the {len(index)}-byte index at {index_offset} inside the "
             f"{file_nbytes}-byte file, after the {span}-byte span"
         )
-    return p.index_offset - span
+    return index_offset - span
 
 
 def _check_piece_places(  # noqa: PLR0913 - the geometry, one argument each

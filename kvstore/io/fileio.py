@@ -38,6 +38,7 @@ flags and errors, a fraction of the Python cost per small block.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import operator
@@ -363,6 +364,7 @@ class FileIO:
             )  # fmt: skip
         geometry = (h.first, h.last, h.chunk_nbytes, h.group_nbytes)
         checked = check_new_file(path, flags, mode, segments, stop, file_nbytes, geometry)
+        h = _plain_hashing(h)
         groups = _hashed_groups(checked, h)
         flags, mode = operator.index(flags), operator.index(mode)  # numpy integers too
         if flags & O_DIRECT and h.last > stop and h.last > h.first:
@@ -488,6 +490,7 @@ class FileIO:
         geometry = (h.first, h.last, h.chunk_nbytes, h.group_nbytes)
         checked = check_read(path, flags, segments, file_nbytes, touch_if_older_than_ns, geometry)
         flags = operator.index(flags)
+        h = _plain_hashing(h)
         groups = _hashed_groups(checked, h)
 
         def read(fd: int) -> None:
@@ -748,6 +751,18 @@ def _hashed_groups(
             want += take
         groups.append((start, parts))
     return groups
+
+
+def _plain_hashing(h: Hashing) -> Hashing:
+    """``h`` with its geometry as Python ints (numpy integers are taken, as the C takes them,
+    but mixed numpy types would turn the reference's slice arithmetic into floats)."""
+    return dataclasses.replace(
+        h,
+        first=operator.index(h.first),
+        last=operator.index(h.last),
+        chunk_nbytes=operator.index(h.chunk_nbytes),
+        group_nbytes=operator.index(h.group_nbytes),
+    )
 
 
 def _hash_parts(h: Hashing, parts: Sequence[memoryview], done: int) -> int:

@@ -55,7 +55,7 @@ from kvstore.io.host import first_unaligned_reference
 from kvstore.io.types import Hashing, PiecePlan
 from tests.native.isolated import Outcome, run_isolated
 
-DEFAULT_EXAMPLES = 80  # two forks per example: the file runs in about a minute on 2 cores
+DEFAULT_EXAMPLES = 60  # two forks per example: 35-55 s for the file on 2 cores
 EXAMPLES = int(os.environ.get("KVTEST_DIFF_EXAMPLES") or DEFAULT_EXAMPLES)
 DIFF = settings(
     max_examples=EXAMPLES,
