@@ -105,3 +105,13 @@ def typed_view(obj: object) -> memoryview | None:
 def address(view: memoryview) -> int:
     """Where ``view``'s memory starts (read-only memory included): the ``buf`` the C sees."""
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def native_words(view: memoryview, signed: bool) -> bool:
+    """Whether ``view`` holds native-endian 8-byte integers (int64 where ``signed``, else
+    uint64) from an 8-byte-aligned address: what the C reads as ``int64_t``/``uint64_t``
+    (the struct codes its format checks take)."""
+    prefixes = "@=<" if sys.byteorder == "little" else "@=>!"
+    fmt = view.format[1:] if view.format[:1] in prefixes else view.format
+    codes = ("q", "l") if signed else ("Q", "L")
+    return view.itemsize == 8 and fmt in codes and address(view) % 8 == 0

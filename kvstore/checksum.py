@@ -61,7 +61,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore.callargs import address, buffer_view, ssize, typed_view
+from kvstore.callargs import address, buffer_view, native_words, ssize, typed_view
 from kvstore.errors import StoreFormatError
 from kvstore.native import NativeBinding
 
@@ -299,8 +299,7 @@ def reference_batch_sums(
         raise TypeError(
             f"xxh3 batch: expected out as a writable C-contiguous buffer, got {type(out).__name__}"
         )
-    fmt = target.format.lstrip("@=<" if sys.byteorder == "little" else "@=>!")
-    if target.itemsize != 8 or fmt not in ("Q", "L") or address(target) % 8:
+    if not native_words(target, signed=False):
         raise ValueError(
             f"xxh3 batch: expected out of native uint64 items aligned to 8 bytes, got format "
             f"'{target.format}' with {target.itemsize}-byte items at address % 8 = "

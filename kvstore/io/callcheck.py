@@ -26,6 +26,7 @@ from kvstore.callargs import (
     buffer_view,
     cint,
     int64,
+    native_words,
     path_bytes,
     snapshot,
     ssize,
@@ -95,11 +96,12 @@ def check_new_file(  # noqa: PLR0913 - write_new's arguments
     buffered_from: int,
     file_nbytes: int,
     hashing: Sequence[int] = (),
-) -> list[tuple[int, memoryview]]:
+) -> tuple[list[tuple[int, memoryview]], int, int]:
     """write_new's (and, with the ``hashing`` scalars first, last, chunk_nbytes and
-    group_nbytes, write_new_hashed's first) checks, in the C's order."""
-    cint(flags, "flags")
-    cint(mode, "mode")
+    group_nbytes, write_new_hashed's first) checks, in the C's order: the segments, the
+    flags and the mode as the C takes them (numpy integers as ints)."""
+    flags = cint(flags, "flags")
+    mode = cint(mode, "mode")
     ssize(buffered_from, "buffered_from")
     ssize(file_nbytes, "file_nbytes")
     for value in hashing:
@@ -112,7 +114,7 @@ def check_new_file(  # noqa: PLR0913 - write_new's arguments
             f"write_new: expected 0 <= buffered_from <= {len(checked)} segments and "
             f"file_nbytes >= 0, got {buffered_from} and {file_nbytes}"
         )
-    return checked
+    return checked, flags, mode
 
 
 def check_read(  # noqa: PLR0913 - read_regular's arguments
@@ -123,10 +125,10 @@ def check_read(  # noqa: PLR0913 - read_regular's arguments
     touch_if_older_than_ns: int,
     hashing: Sequence[int] = (),
     allow_trailer: object = False,
-) -> list[tuple[int, memoryview]]:
+) -> tuple[list[tuple[int, memoryview]], int]:
     """read_regular's (and, with the ``hashing`` scalars, read_regular_hashed's first)
-    checks, in the C's order."""
-    cint(flags, "flags")
+    checks, in the C's order: the segments and the flags as the C takes them."""
+    flags = cint(flags, "flags")
     ssize(file_nbytes, "expected_size")
     bool(allow_trailer)  # PyArg's "p": the object's truth, which may raise
     int64(touch_if_older_than_ns, "touch_if_older_than_ns")
@@ -135,7 +137,7 @@ def check_read(  # noqa: PLR0913 - read_regular's arguments
     path_bytes(path)
     if file_nbytes < 0:
         raise ValueError(f"read_regular: expected a file size >= 0, got {file_nbytes}")
-    return check_segments(segments, writable=True)
+    return check_segments(segments, writable=True), flags
 
 
 def check_sync_and_rename(fd: int | None, src: object, dst: object) -> None:
@@ -158,11 +160,7 @@ def int64_values(call: str, array: object, what: str, count: int) -> np.ndarray:
         raise TypeError(
             f"{call}: expected {what} as a C-contiguous int64 buffer, got {type(array).__name__}"
         )
-    fmt = view.format.lstrip("@=<")
-    aligned = address(view) % 8 == 0
-    if view.itemsize != 8 or fmt not in ("q", "l") or (count >= 0 and view.nbytes // 8 != count):
-        aligned = False
-    if not aligned:
+    if not native_words(view, signed=True) or (count >= 0 and view.nbytes // 8 != count):
         raise ValueError(
             f"{call}: expected {what} as {count if count >= 0 else 'any number of'} int64 "
             f"values aligned to 8 bytes, got format '{view.format}', {view.nbytes} bytes"
@@ -200,13 +198,7 @@ def check_uint64_sums(sums: object, chunks: int) -> None:
             "file protocol: expected sums as a writable C-contiguous uint64 buffer, got "
             f"{type(sums).__name__}"
         )
-    fmt = view.format.lstrip("@=<" if sys.byteorder == "little" else "@=>!")
-    if (
-        view.itemsize != 8
-        or fmt not in ("Q", "L")
-        or view.nbytes // 8 < chunks
-        or address(view) % 8
-    ):
+    if not native_words(view, signed=False) or view.nbytes // 8 < chunks:
         raise ValueError(
             f"file protocol: expected sums of at least {chunks} native uint64 values aligned "
             f"to 8 bytes, got format '{view.format}', {view.nbytes} bytes at address % 8 = "

@@ -308,8 +308,7 @@ class FileIO:
         stop = len(segments) if buffered_from is None else buffered_from
         if self._native_allowed and (native := native_fileproto()) is not None:
             return native.write_new(path, flags, mode, segments, stop, file_nbytes)
-        checked = check_new_file(path, flags, mode, segments, stop, file_nbytes)
-        flags, mode = operator.index(flags), operator.index(mode)  # numpy integers too
+        checked, flags, mode = check_new_file(path, flags, mode, segments, stop, file_nbytes)
         fd = self.open(path, flags, mode)
         try:
             end = write_runs(self, fd, flags, checked, 0, len(checked), stop, 0)
@@ -363,10 +362,11 @@ class FileIO:
                 h.first, h.last, h.chunk_nbytes, h.group_nbytes, h.sums, xxh3,
             )  # fmt: skip
         geometry = (h.first, h.last, h.chunk_nbytes, h.group_nbytes)
-        checked = check_new_file(path, flags, mode, segments, stop, file_nbytes, geometry)
+        checked, flags, mode = check_new_file(
+            path, flags, mode, segments, stop, file_nbytes, geometry
+        )
         h = _plain_hashing(h)
         groups = _hashed_groups(checked, h)
-        flags, mode = operator.index(flags), operator.index(mode)  # numpy integers too
         if flags & O_DIRECT and h.last > stop and h.last > h.first:
             raise ValueError(
                 f"write_new_hashed: expected the hashed segments [{h.first}, {h.last}) before "
@@ -418,10 +418,9 @@ class FileIO:
                     raise
                 raise refused from None
             return _native_read(path, outcome, file_nbytes, allow_trailer)
-        checked = check_read(
+        checked, flags = check_read(
             path, flags, segments, file_nbytes, touch_if_older_than_ns, (), allow_trailer
         )
-        flags = operator.index(flags)
 
         def read(fd: int) -> None:
             for offset, buffers in coalesce(checked):
@@ -488,8 +487,9 @@ class FileIO:
                 raise refused from None
             return _native_read(path, outcome, file_nbytes, False)
         geometry = (h.first, h.last, h.chunk_nbytes, h.group_nbytes)
-        checked = check_read(path, flags, segments, file_nbytes, touch_if_older_than_ns, geometry)
-        flags = operator.index(flags)
+        checked, flags = check_read(
+            path, flags, segments, file_nbytes, touch_if_older_than_ns, geometry
+        )
         h = _plain_hashing(h)
         groups = _hashed_groups(checked, h)
 
