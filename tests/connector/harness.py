@@ -18,6 +18,7 @@ processes, NCCL or CUDA streams.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import time
@@ -59,6 +60,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.kv_offload import base as offload_base
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -68,6 +71,16 @@ import connector
 from connector.manager import KVStoreManager
 from connector.vllm_connector import KVStoreConnector
 from connector.worker import KVStoreWorker
+
+# vLLM 0.34 hands the offloading worker resolved device pointers, not GPU block ids.
+VLLM_PASSES_POINTERS = hasattr(offload_base, "DevicePointers")
+# vLLM 0.34 dropped ModelRunnerOutput.req_id_to_index, which 0.33 requires.
+_HAS_REQ_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+
+
+def _req_index(ids: list[str]) -> dict[str, Any]:
+    return {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if _HAS_REQ_INDEX else {}
+
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -313,8 +326,15 @@ class Engine:
             conn = rank.connector
             conn.handle_preemptions(meta)
             conn.bind_connector_metadata(meta)
-            conn.start_load_kv(self.forward_ctx)
+            # vLLM 0.34 starts async loads (and the stores deferred from the last step) after
+            # the forward, sync loads before it; 0.32/0.33 start everything before it.
+            loads_first = getattr(out, "has_sync_kv_loads", True)
+            if loads_first:
+                conn.start_load_kv(self.forward_ctx)
             self._forward(rank, out.num_scheduled_tokens)
+            conn.finish_forward()
+            if not loads_first:
+                conn.start_load_kv(self.forward_ctx)
             conn.wait_for_save()  # type: ignore[no-untyped-call, unused-ignore]
             results = conn.get_transfer_results(out.finished_req_ids)
             invalid = conn.get_block_ids_with_load_errors()
@@ -330,9 +350,9 @@ class Engine:
             outputs.append(
                 ModelRunnerOutput(
                     req_ids=ids,
-                    req_id_to_index={r: i for i, r in enumerate(ids)},
                     sampled_token_ids=[[5] for _ in ids],
                     kv_connector_output=kv_output,
+                    **_req_index(ids),
                 )
             )
         merged = self.aggregator.aggregate(outputs, 0)
@@ -439,3 +459,18 @@ class Engine:
 
 def prompt(n_tokens: int, start: int = 100) -> list[int]:
     return list(range(start, start + n_tokens))
+
+
+def gpu_side(rank: Rank, block_ids: list[int], group_sizes: list[int]) -> Any:
+    """A job's GPU side as this vLLM hands it to the worker: a ``GPULoadStoreSpec`` (0.33),
+    or the ``DevicePointers`` vLLM 0.34 resolves from it against the rank's KV caches."""
+    spec = GPULoadStoreSpec(
+        block_ids, group_sizes=group_sizes, block_indices=[0] * len(group_sizes)
+    )
+    if not VLLM_PASSES_POINTERS:
+        return spec
+    from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers  # noqa: PLC0415
+
+    worker = rank.connector.connector_worker
+    assert worker is not None
+    return resolve_device_pointers(spec, worker._kv_caches)  # type: ignore[attr-defined, unused-ignore]  # 0.34

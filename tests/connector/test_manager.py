@@ -14,7 +14,6 @@ import pytest
 pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a separate venv)")
 
 from vllm.v1.kv_offload.base import (
-    GPULoadStoreSpec,
     LookupResult,
     OffloadKey,
     ReqContext,
@@ -26,7 +25,7 @@ from connector.transfer_specs import KVStoreStoreSpec
 from connector.worker import KVStoreWorker
 from kvstore.store.paths import TMP_MARK
 
-from .harness import Engine, EngineOptions
+from .harness import Engine, EngineOptions, gpu_side
 
 
 class Clock:
@@ -98,7 +97,7 @@ def test_failed_store_is_rolled_back_and_backs_off(engine: Engine) -> None:
     manager = manager_of(engine, clock)
     out = manager.prepare_store(keys(1, 2), context)
     worker = engine.ranks[0].worker
-    assert worker.submit_store(5, GPULoadStoreSpec([3, 4], [2], [0]), out.store_spec)
+    assert worker.submit_store(5, gpu_side(engine.ranks[0], [3, 4], [2]), out.store_spec)
     worker.wait({5})
     finish(worker, 5)
     root = engine.options.root
@@ -119,7 +118,7 @@ def test_reset_aborts_stores_in_flight_once_workers_flushed(engine: Engine) -> N
     manager, context = manager_of(engine, Clock()), ReqContext(req_id="r")
     out = manager.prepare_store(keys(1, 2), context)
     worker = engine.ranks[0].worker
-    assert worker.submit_store(5, GPULoadStoreSpec([3, 4], [2], [0]), out.store_spec)
+    assert worker.submit_store(5, gpu_side(engine.ranks[0], [3, 4], [2]), out.store_spec)
     worker.wait({5})
     finish(worker, 5)
     manager.reset_cache()  # vLLM will never call complete_store for this job

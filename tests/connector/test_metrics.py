@@ -22,7 +22,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from vllm.v1.kv_offload.base import (
-    GPULoadStoreSpec,
     OffloadingEvent,
     ReqContext,
     make_offload_key,
@@ -33,7 +32,7 @@ from connector import events
 from connector import metrics as m
 from kvstore import KVStore
 
-from .harness import BLOCK, Engine, EngineOptions, prompt
+from .harness import BLOCK, Engine, EngineOptions, gpu_side, prompt
 from .metered import Metered, engine
 from .test_failures import PROMPT, FullDisk, _block_path, _corrupt, _store_prompt
 from .test_manager import Clock, finish, keys, manager_of
@@ -247,7 +246,7 @@ def test_stores_pending_at_a_cache_reset_count_as_dropped(tmp_path: Path) -> Non
     out = manager.prepare_store(keys(1, 2), context)
     assert manager._pending_bytes == 2 * manager.namespace.group(0).layout.block_nbytes
     worker = engine_.ranks[0].worker
-    assert worker.submit_store(5, GPULoadStoreSpec([3, 4], [2], [0]), out.store_spec)
+    assert worker.submit_store(5, gpu_side(engine_.ranks[0], [3, 4], [2]), out.store_spec)
     finish(worker, 5)
     manager.reset_cache()  # vLLM will never call complete_store for this job
     manager.on_reset_flushed()

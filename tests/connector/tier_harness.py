@@ -34,7 +34,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
@@ -44,6 +43,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from connector.job_blocks import BlockResolver
 from connector.tier import KVStoreTier, tier_entry
 
 from .harness import Engine, EngineOptions
@@ -75,14 +75,16 @@ class ChunkCopyWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]
             ]
         self.gpu = [t.tensor.view(torch.int8) for t in kv_caches.tensors]
         self.refs = kv_caches.group_data_refs
+        self.resolver = BlockResolver(kv_caches)  # GPULoadStoreSpec (0.33), DevicePointers (0.34)
         self.done: list[TransferResult] = []
 
-    def _copy(self, job_id: int, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec, store: bool) -> bool:
+    def _copy(self, job_id: int, gpu: Any, cpu: LoadStoreSpec, store: bool) -> bool:
         assert isinstance(cpu, BlockIDsLoadStoreSpec)
-        blocks, chunks = np.asarray(gpu.block_ids), np.asarray(cpu.block_ids)
+        job = self.resolver.resolve(gpu)
+        blocks, chunks = np.asarray(job.block_ids), np.asarray(cpu.block_ids)
         assert len(blocks) == len(chunks), "blocks_per_chunk must be 1"
         start = 0
-        for group, size in enumerate(gpu.group_sizes):
+        for group, size in enumerate(job.group_sizes):
             pairs = zip(blocks[start : start + size], chunks[start : start + size], strict=True)
             for block, chunk in pairs:
                 for ref in self.refs[group]:
@@ -110,16 +112,14 @@ class ChunkCopyWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]
                 else:
                     gpu[local : local + size].copy_(cpu[canon : canon + size])
 
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
         return self._copy(job_id, src_spec, dst_spec, store=True)
 
     def submit_load(
         self,
         job_id: int,
         src_spec: LoadStoreSpec,
-        dst_spec: GPULoadStoreSpec,
+        dst_spec: Any,
         expedited: bool = False,
     ) -> bool:
         return self._copy(job_id, dst_spec, src_spec, store=False)
