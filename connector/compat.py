@@ -33,6 +33,12 @@ and given a behaviour that is correct on all of them (docs/vllm.md, "Supported v
 * ``num_hash_lookahead_tokens`` (0.34, :func:`hash_lookahead_tokens`): with speculative
   decoding vLLM may hash tokens past each block into its hash, so such keys only match servers
   with the same lookahead; it is part of the namespace identity when > 0.
+* ``KVConnectorBase_V1.kv_cache_access`` (0.34, :func:`kv_cache_access`): how the connector
+  reaches the device KV cache, which decides how vLLM allocates it (the VMM "extensible KV
+  cache" is the default on CUDA). kvstore's gds engine has cuFile DMA the KV pages themselves,
+  so where it may run (``io_mode`` gds or auto) the connector declares ``REGISTERS``: each
+  segment backed by one physical allocation, as for RDMA registration. The pinned and host
+  engines copy with torch: ``IN_PROCESS``. 0.32 and 0.33 never ask.
 * ``OffloadingManager.touch`` is gone in 0.34; kvstore's manager never relied on it (reads
   record a block's last use in the store itself).
 * ``ModelRunnerOutput.req_id_to_index`` is gone in 0.34 (the tests' engine harness builds
@@ -91,6 +97,18 @@ def worker_metadata_fields(meta: OffloadingWorkerMetadata) -> dict[str, Any]:
 def hash_lookahead_tokens(vllm_config: object) -> int:
     """Tokens past each block that vLLM hashes into the block's hash (0 before vLLM 0.34)."""
     return int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+
+
+def kv_cache_access(device_dma: bool) -> Any:
+    """vLLM's ``KVCacheAccess`` for a connector whose engine DMAs device pages itself or not
+    (None on a vLLM without it)."""
+    try:
+        from vllm.config.kv_transfer import (  # type: ignore[attr-defined, unused-ignore]  # noqa: PLC0415 - 0.34
+            KVCacheAccess,
+        )
+    except ImportError:
+        return None
+    return KVCacheAccess.REGISTERS if device_dma else KVCacheAccess.IN_PROCESS
 
 
 def manager_lock(manager: object) -> AbstractContextManager[Any]:

@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from connector import compat
 from kvstore.identity import DTYPES
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class EngineFacts:
     pcp: int
     interleave: int  # cp_kv_cache_interleave_size
     groups: tuple[GroupFacts, ...]  # every group of the KVCacheConfig, by group id
+    hash_lookahead_tokens: int = 0  # vLLM 0.34: tokens past each block in its hash (spec decode)
 
     def group(self, group_id: int) -> GroupFacts:
         for facts in self.groups:
@@ -124,6 +126,7 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
             _group_facts(group_id, tuple(group.layer_names), group.kv_cache_spec)
             for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
         ),
+        hash_lookahead_tokens=compat.hash_lookahead_tokens(vllm_config),
     )
 
 

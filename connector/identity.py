@@ -12,6 +12,9 @@ Identity fields (kvstore.Identity; never a parallel size):
   chain: ``PYTHONHASHSEED`` when set (only its digest is stored), else vLLM's fixed default
   (sha256 / sha256_cbor). xxhash without ``PYTHONHASHSEED`` is refused: vLLM then seeds the
   chain from ``os.urandom`` in every process, so no key could ever be found again;
+* ``hash_lookahead_tokens`` (vLLM 0.34 with speculative decoding, when > 0): the tokens past
+  each block vLLM hashes into the block's hash, so its keys match only servers with the same
+  lookahead;
 * per offloaded KV-cache group, in vLLM group-id order: kind (full / sliding / mla), layer
   names, the model's KV heads (not a rank's share), head size (MLA: latent size), window.
 
@@ -138,6 +141,7 @@ def derive_identity(
         hash_algo=facts.hash_algo,
         hash_seed=hash_seed_id(facts.hash_algo, environ),
         groups=tuple(specs),
+        hash_lookahead_tokens=facts.hash_lookahead_tokens,
     )
     return identity, KeyMap(tuple(g.group_id for g in offloaded))
 

@@ -13,6 +13,7 @@ over by :class:`connector.vllm_connector.KVStoreConnector`, the namespace identi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -30,7 +31,7 @@ from connector.identity import derive_identity
 from connector.manager import KVStoreManager
 from connector.rank import rank_context
 from connector.worker import KVStoreWorker, build_worker
-from kvstore import ConfigError, KVStore, Namespace, StoreConfig, StoreFormatError
+from kvstore import ConfigError, Identity, KVStore, Namespace, StoreConfig, StoreFormatError
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.config import OffloadingConfig
@@ -54,6 +55,39 @@ def open_store(config: StoreConfig, wait_s: float = 10.0) -> KVStore:
             if time.monotonic() > deadline or not _being_created(config.root):
                 raise
             time.sleep(0.02)
+
+
+def _say_other_block_spans(store: KVStore, identity: Identity) -> None:
+    """One start-up line when the store holds this model at other block spans (or hash
+    lookaheads), whose blocks this server can never load: vLLM 0.34's default block size is
+    64, 0.33's was 16, so an upgraded server would otherwise just see misses."""
+    spans = sorted(
+        {
+            (other.tokens_per_block, other.hash_lookahead_tokens)
+            for other in store.stored_identities().values()
+            if other != identity
+            and dataclasses.replace(
+                other,
+                tokens_per_block=identity.tokens_per_block,
+                hash_lookahead_tokens=identity.hash_lookahead_tokens,
+            )
+            == identity
+        }
+    )
+    if not spans:
+        return
+    theirs = ", ".join(f"{t}" + (f" (+{a} lookahead)" if a else "") for t, a in spans)
+    ours = f"{identity.tokens_per_block}" + (
+        f" (+{identity.hash_lookahead_tokens} lookahead)" if identity.hash_lookahead_tokens else ""
+    )
+    log.warning(
+        "kvstore: %s holds this model's KV cache at %s tokens per block; this server uses %s "
+        "and cannot load those blocks (serve with --block-size %d to share them)",
+        store.root,
+        theirs,
+        ours,
+        spans[0][0],
+    )
 
 
 def _being_created(root: Path) -> bool:
@@ -116,7 +150,7 @@ class KVStoreSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]  # Any w
         self._layer_views = dict(layer_views)
 
     def get_manager(self) -> KVStoreManager:
-        store, namespace = self._open()
+        store, namespace = self._open(say_other_spans=True)
         log.info(
             "kvstore: namespace %s in %s (%d KV groups, %d tokens per block)",
             namespace.name,
@@ -153,10 +187,15 @@ class KVStoreSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]  # Any w
             store.close()
             raise
 
-    def _open(self) -> tuple[KVStore, Namespace]:
+    def _open(self, say_other_spans: bool = False) -> tuple[KVStore, Namespace]:
+        """The store and this server's namespace; with ``say_other_spans`` (the scheduler, once)
+        one line if the store holds this model at other block spans."""
         store = open_store(self.options.store)
         try:
-            return store, store.namespace(self.identity)
+            namespace = store.namespace(self.identity)
+            if say_other_spans:
+                _say_other_block_spans(store, self.identity)
         except BaseException:
             store.close()
             raise
+        return store, namespace

@@ -50,13 +50,14 @@ from vllm.v1.outputs import KVConnectorOutput
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
-from connector import compat
+from connector import SPEC_NAME, compat
 from connector.compat import manager_lock
 from connector.facts import engine_facts, provide
 from connector.manager import KVStoreManager
 from connector.metrics import merge_causes
 from connector.spec import KVStoreSpec
 from connector.worker import KVStoreWorker
+from kvstore import StoreConfig
 
 
 @dataclass
@@ -87,6 +88,16 @@ class KVStoreWorkerMetadata(OffloadingWorkerMetadata):  # type: ignore[misc, unu
 
 class KVStoreConnector(OffloadingConnector):  # type: ignore[misc, unused-ignore]
     """OffloadingConnector running :class:`KVStoreSpec`, with failed loads recomputed."""
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34: ``REGISTERS`` where kvstore's gds engine may DMA the KV pages (the
+        direct spec with ``io_mode`` gds or auto), else ``IN_PROCESS`` (:mod:`connector.compat`;
+        a secondary tier behind vLLM's CPU tier never touches device memory)."""
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+        direct = extra.get("spec_name") == SPEC_NAME
+        device_dma = direct and extra.get("io_mode", StoreConfig().io_mode) in ("auto", "gds")
+        return compat.kv_cache_access(device_dma)
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig

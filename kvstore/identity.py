@@ -133,6 +133,10 @@ class Identity:
     )
     hash_seed: str = ""  # seed id of the hash chain (vLLM: PYTHONHASHSEED or its default)
     format_version: int = CANONICAL_FORMAT_VERSION  # canonical page format
+    # Tokens past each block that the engine hashes into its hash (vLLM 0.34 with speculative
+    # decoding): such keys match only engines with the same lookahead. 0 (the usual) is left
+    # out of the document, so identities without it keep their digest.
+    hash_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("model", "revision", "kv_dtype", "hash_algo", "hash_seed"):
@@ -143,6 +147,11 @@ class Identity:
         dtype_by_name(self.kv_dtype)
         if self.tokens_per_block <= 0:
             raise ConfigError(f"tokens_per_block: expected > 0, got {self.tokens_per_block}")
+        if not isinstance(self.hash_lookahead_tokens, int) or self.hash_lookahead_tokens < 0:
+            raise ConfigError(
+                "hash_lookahead_tokens: expected an integer >= 0, got "
+                f"{self.hash_lookahead_tokens!r}"
+            )
         if not self.groups:
             raise ConfigError("identity: expected at least one KV-cache group, got none")
         if not self.model:
@@ -153,7 +162,7 @@ class Identity:
         return dtype_by_name(self.kv_dtype)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "model": self.model,
             "revision": self.revision,
             "kv_dtype": self.kv_dtype,
@@ -163,6 +172,9 @@ class Identity:
             "format_version": self.format_version,
             "groups": [g.to_json() for g in self.groups],
         }
+        if self.hash_lookahead_tokens:
+            doc["hash_lookahead_tokens"] = self.hash_lookahead_tokens
+        return doc
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Identity:
@@ -177,6 +189,7 @@ class Identity:
                 hash_algo=doc.get("hash_algo", "sha256"),
                 hash_seed=doc.get("hash_seed", ""),
                 format_version=int(doc.get("format_version", CANONICAL_FORMAT_VERSION)),
+                hash_lookahead_tokens=int(doc.get("hash_lookahead_tokens", 0)),
                 groups=tuple(GroupSpec.from_json(g) for g in doc["groups"]),
             )
         except ConfigError:
@@ -204,9 +217,9 @@ class Identity:
         """The fields where ``other`` differs from ``self``, named down to the group field."""
         mine, theirs = self.to_json(), other.to_json()
         diffs = [
-            f"{key}: expected {mine[key]!r}, got {theirs[key]!r}"
-            for key in sorted(mine)
-            if key != "groups" and mine[key] != theirs.get(key)
+            f"{key}: expected {mine.get(key)!r}, got {theirs.get(key)!r}"
+            for key in sorted(set(mine) | set(theirs))
+            if key != "groups" and mine.get(key) != theirs.get(key)
         ]
         if len(mine["groups"]) != len(theirs["groups"]):
             n_mine, n_theirs = len(mine["groups"]), len(theirs["groups"])

@@ -40,6 +40,7 @@ class NamespaceSummary:
     tokens_per_block: int
     groups: int
     blocks: int
+    hash_lookahead_tokens: int
     bytes: int
     oldest_ns: int | None
     newest_ns: int | None
@@ -50,6 +51,7 @@ class NamespaceSummary:
             "model": self.model,
             "dtype": self.dtype,
             "tokens_per_block": self.tokens_per_block,
+            "hash_lookahead_tokens": self.hash_lookahead_tokens,
             "groups": self.groups,
             "blocks": self.blocks,
             "bytes": self.bytes,
@@ -70,6 +72,7 @@ def summarize(ns: NamespaceView, blocks: list[Entry]) -> NamespaceSummary:
         tokens_per_block=ns.identity.tokens_per_block,
         groups=len(ns.groups),
         blocks=len(blocks),
+        hash_lookahead_tokens=ns.identity.hash_lookahead_tokens,
         bytes=sum(b.size for b in blocks),
         oldest_ns=min(times) if times else None,
         newest_ns=max(times) if times else None,
@@ -149,6 +152,7 @@ def render_namespaces(doc: dict[str, Any]) -> list[str]:
             n["name"],
             n["model"],
             n["dtype"],
+            _block_tokens(n),
             n["groups"],
             n["blocks"],
             format_size(n["bytes"]),
@@ -158,9 +162,22 @@ def render_namespaces(doc: dict[str, Any]) -> list[str]:
         for n in doc["namespaces"]
     ]
     total = doc["total"]
-    rows.append(["total", "", "", "", total["blocks"], format_size(total["bytes"]), "", ""])
-    headers = ["namespace", "model", "dtype", "groups", "blocks", "size", "oldest", "newest"]
+    rows.append(["total", "", "", "", "", total["blocks"], format_size(total["bytes"]), "", ""])
+    headers = [
+        *("namespace", "model", "dtype", "tokens/block", "groups"),
+        *("blocks", "size", "oldest", "newest"),
+    ]
     return lines + table(headers, rows)
+
+
+def _block_tokens(summary: dict[str, Any]) -> str:
+    """Tokens per block, and the hash lookahead where the engine hashed one in (``16+2``)."""
+    lookahead = summary.get("hash_lookahead_tokens", 0)
+    return (
+        f"{summary['tokens_per_block']}+{lookahead}"
+        if lookahead
+        else str(summary["tokens_per_block"])
+    )
 
 
 def render_blocks(doc: dict[str, Any]) -> list[str]:

@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from kvstore.config import StoreConfig
-from kvstore.errors import EntryKindError, IdentityMismatchError, StoreFormatError
+from kvstore.errors import ConfigError, EntryKindError, IdentityMismatchError, StoreFormatError
 from kvstore.identity import Identity
 from kvstore.io.engine import Engine
 from kvstore.io.entries import open_dir_nofollow
@@ -173,6 +173,20 @@ class KVStore:
             for entry in os.scandir(self.root)
             if entry.is_dir(follow_symlinks=False) and _is_regular(Path(entry.path) / ZARR_JSON)
         )
+
+    def stored_identities(self) -> dict[str, Identity]:
+        """The identity each namespace's document holds, by directory name, without opening
+        any namespace. One whose document cannot be read or parsed is left out (the admin
+        CLI's ``verify`` reports those)."""
+        out: dict[str, Identity] = {}
+        for name in self.namespace_names():
+            try:
+                doc = metadata.read_document(self.root / name)
+                if doc is not None:
+                    out[name] = _stored_identity(self.root / name, doc)
+            except (StoreFormatError, ConfigError, OSError):
+                continue
+        return out
 
     # -- lifetime ------------------------------------------------------------------------------
 

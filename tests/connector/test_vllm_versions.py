@@ -9,6 +9,7 @@ expected outcome differs, the test says which version does what.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from vllm.v1.kv_offload.base import make_offload_key
 
+import connector
 from connector import compat
 from connector.job_blocks import BlockResolver
 from connector.transfer_specs import KVStoreLoadSpec
 from connector.vllm_connector import KVStoreWorkerMetadata
-from kvstore import KVStore, StoreConfig
+from kvstore import Identity, KVStore, StoreConfig
+from kvstore.identity import attention_group
 
 from .harness import VLLM_PASSES_POINTERS, Engine, EngineOptions, gpu_side, prompt
 
@@ -154,3 +157,70 @@ def test_the_worker_metadata_keeps_every_field_of_vllms() -> None:
     assert merged.failed_store_keys == [b"a"]
     if compat.VLLM_REPORTS_FAILED_JOBS:
         assert getattr(merged, "failed_jobs", None) == {3, 4}
+
+
+def test_a_server_of_another_block_size_says_so_at_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 0.33-default store (16 tokens per block) under a 0.34-default server (64): all
+    misses, and one line at start-up that says why, naming the store's sizes and the server's."""
+    old = Engine(EngineOptions(root=tmp_path, block_size=16))
+    old.serve("old", prompt(2 * 16 + 1))
+    old.shutdown()
+    with caplog.at_level(logging.WARNING, logger="kvstore.connector"):
+        new = Engine(EngineOptions(root=tmp_path, block_size=64))
+    lines = [r.getMessage() for r in caplog.records if "tokens per block" in r.getMessage()]
+    assert len(lines) == 1
+    assert "at 16 tokens per block; this server uses 64 " in lines[0]
+    assert "--block-size 16" in lines[0]
+    new.shutdown()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvstore.connector"):
+        both = Engine(EngineOptions(root=tmp_path, block_size=32))
+    [line] = [r.getMessage() for r in caplog.records if "tokens per block" in r.getMessage()]
+    assert "at 16, 64 tokens per block; this server uses 32 " in line
+    both.shutdown()
+
+
+def test_a_hash_lookahead_is_part_of_the_identity() -> None:
+    """vLLM 0.34 may hash tokens past a block into its hash (speculative decoding): those keys
+    match only servers with the same lookahead, so the namespace records it when set, and an
+    identity without it keeps its digest."""
+    base = Identity(
+        model="m",
+        kv_dtype="float16",
+        tokens_per_block=64,
+        groups=(attention_group("full", ["l0"], 4, 8),),
+    )
+    ahead = dataclasses.replace(base, hash_lookahead_tokens=3)
+    assert "hash_lookahead_tokens" not in base.to_json()
+    assert ahead.namespace != base.namespace
+    assert Identity.from_json(ahead.to_json()) == ahead
+    assert "hash_lookahead_tokens: expected None, got 3" in base.describe_difference(ahead)
+
+
+@pytest.mark.skipif(compat.kv_cache_access(False) is None, reason="vLLM 0.34 asks for it")
+@pytest.mark.parametrize(
+    ("extra", "registers"),
+    [
+        ({}, True),  # io_mode auto: the gds engine may run
+        ({"io_mode": "gds"}, True),
+        ({"io_mode": "pinned"}, False),
+        ({"io_mode": "host"}, False),
+        ({"spec_name": "TieringOffloadingSpec", "spec_module_path": None}, False),
+    ],
+    ids=["auto", "gds", "pinned", "host", "tier"],
+)
+def test_the_connector_declares_how_it_reaches_the_kv_cache(
+    tmp_path: Path, extra: dict[str, Any], registers: bool
+) -> None:
+    """vLLM 0.34 allocates the KV cache by what the connector declares: kvstore's gds engine
+    has cuFile DMA the pages (REGISTERS: one physical allocation per segment); the pinned
+    and host engines and the secondary tier copy with torch (IN_PROCESS)."""
+    from vllm.config import KVTransferConfig  # noqa: PLC0415
+    from vllm.config.kv_transfer import KVCacheAccess  # type: ignore[attr-defined, unused-ignore]  # noqa: PLC0415
+
+    config = connector.kv_transfer_config(str(tmp_path))
+    config["kv_connector_extra_config"].update(extra)
+    access = KVTransferConfig(**config).kv_cache_access()  # vLLM's own question
+    assert access == (KVCacheAccess.REGISTERS if registers else KVCacheAccess.IN_PROCESS)
