@@ -222,5 +222,6 @@ def test_the_connector_declares_how_it_reaches_the_kv_cache(
 
     config = connector.kv_transfer_config(str(tmp_path))
     config["kv_connector_extra_config"].update(extra)
-    access = KVTransferConfig(**config).kv_cache_access()  # vLLM's own question
+    transfer: Any = KVTransferConfig(**config)
+    access = transfer.kv_cache_access()  # vLLM's own question (0.34)
     assert access == (KVCacheAccess.REGISTERS if registers else KVCacheAccess.IN_PROCESS)
