@@ -23,7 +23,11 @@ once (tiering/base.py):
   staging buffer, then scatters the hits into the rows;
 * ``get_finished_jobs``: the outcomes. A block that is missing, corrupt (quarantined by the
   store), or unreadable fails its promotion, and only that key becomes a miss
-  (``successful_keys`` keeps the others); a failed write fails its store job. Nothing raises
+  (``successful_keys`` keeps the others); a failed write fails its store job. On vLLM 0.34 a
+  failed promotion is reported as soon as every part before its first failed one has ended
+  (:class:`connector.tier.jobs.JobRunner`, ``early_failures``); the parts still reading are
+  cut short, and ``JobResult.deferred_release`` is set once they have ended, so vLLM keeps
+  their CPU chunks out of its free pool until kvstore no longer writes into them. Nothing raises
   into vLLM: vLLM recomputes, and its backpressure detector (``on_store_failed``, store
   latency) drops stores while the store is slow or full (see ``default_backpressure`` in
   :mod:`connector.tier.config`).
@@ -60,6 +64,7 @@ from vllm.v1.kv_offload.tiering.backpressure import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 import connector.spec
+from connector import compat
 from connector.config import ConnectorConfig
 from connector.facts import current
 from connector.identity import GROUP_ID_BYTES, derive_identity
@@ -165,7 +170,11 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         self._present: OrderedDict[bytes, None] = OrderedDict()
         self._jobs_keys: dict[int, tuple[list[bytes], bool]] = {}  # job id -> (keys, is_load)
         self._probe = StoreProbe(self.namespace, self.key_map, tier_type)
-        self._runner = JobRunner(self.options.load_threads, self.options.store_threads)
+        self._runner = JobRunner(
+            self.options.load_threads,
+            self.options.store_threads,
+            early_failures=compat.TIER_DEFERS_RELEASE,
+        )
         self._staging = threading.local()  # per job thread: a reused block buffer
         self._events: list[OffloadingEvent] | None = None
         if self.options.enable_kv_events:
@@ -224,22 +233,22 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         keys = [bytes(k) for k in job_metadata.keys]
         chunk_ids = [int(c) for c in job_metadata.chunk_ids]
         self._jobs_keys[job_metadata.job_id] = (keys, True)
-        parts = [
-            functools.partial(self._load_blocks, keys[b], chunk_ids[b]) for b in _slices(len(keys))
-        ]
-        self._runner.submit(job_metadata.job_id, True, parts)
+        slices = _slices(len(keys))
+        parts = [functools.partial(self._load_blocks, keys[b], chunk_ids[b]) for b in slices]
+        part_keys = [frozenset(keys[b]) for b in slices]
+        self._runner.submit(job_metadata.job_id, True, parts, part_keys)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
         for finished in self._runner.finished():
             keys, is_load = self._jobs_keys.pop(finished.job_id)
             outcome = finished.outcome
-            ok = outcome.ok_keys
+            ok, cut_short = outcome.ok_keys, finished.cut_short
             failed = [k for k in keys if k not in ok]
             for k in keys:
                 if k in ok:
                     self._remember(k)
-                else:
+                elif k not in cut_short:  # found bad; a key cut short may well be there
                     self._present.pop(k, None)
             partial = None
             if not is_load and self._events is not None and ok:
@@ -250,9 +259,11 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
                     )
                 )
             if is_load and failed:
-                self._probe.mark_miss([OffloadKey(k) for k in failed])
+                self._probe.mark_miss([OffloadKey(k) for k in failed if k not in cut_short])
                 kept = [OffloadKey(k) for k in keys if k in ok]
                 partial = tuple(kept) if kept else None
+            # vLLM 0.34: chunks of a failed promotion stay held until the reads cut short end.
+            release = {"deferred_release": finished.release} if finished.release else {}
             results.append(
                 JobResult(
                     job_id=finished.job_id,
@@ -260,6 +271,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
                     successful_keys=partial,
                     transfer_time=finished.seconds,
                     transfer_bytes=outcome.nbytes or None,
+                    **release,
                 )
             )
         return results

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,12 +20,15 @@ pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a sep
 
 from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
 
+import connector.compat
 import connector.spec
+import connector.tier.manager
 from connector.tier import KVStoreTier
 from connector.tier.chunks import build_chunk_map, rows_of
 from connector.tier.config import TierConfig
 from connector.tier.jobs import JobRunner, Outcome
 from kvstore import ConfigError, KVStore, StoreConfig
+from kvstore.store.group_store import GroupStore
 from kvstore.store.paths import TMP_MARK
 
 from .harness import BLOCK, EngineOptions, prompt
@@ -253,4 +257,93 @@ def test_corrupt_block_promoted_into_the_rows_is_a_miss_and_never_served(
     done = set().union(*(keys for keys, ok in completed if ok))
     assert key[1] in failed and key[1] not in done
     assert key[0] in done and key[0] not in failed
+    engine.shutdown()
+
+
+def test_a_failed_promotion_is_reported_once_settled_and_releases_after_its_last_read() -> None:
+    """With early failures (vLLM 0.34's deferred release): parts 0 and 1 ended, part 1 failed
+    a key, part 2 still reading: the job is reported at once, part 2's keys cut short, and its
+    release is set only when part 2 has ended. Without them (0.33), the job waits for part 2."""
+    for early in (True, False):
+        runner = JobRunner(load_threads=2, store_threads=2, early_failures=early)
+        gate, reading = threading.Event(), threading.Event()
+
+        def slow(gate: threading.Event = gate, reading: threading.Event = reading) -> Outcome:
+            reading.set()
+            assert gate.wait(30)
+            return Outcome(frozenset({b"e"}), 1)
+
+        parts = [lambda: Outcome(frozenset({b"a", b"b"}), 2), lambda: Outcome(frozenset(), 0), slow]
+        keys = [frozenset({b"a", b"b"}), frozenset({b"c", b"d"}), frozenset({b"e"})]
+        runner.submit(5, True, parts, keys)
+        assert reading.wait(30)
+        deadline = time.monotonic() + 30
+        done: list[Any] = []
+        while early and not done and time.monotonic() < deadline:
+            done = runner.finished()
+            time.sleep(0.005)
+        if early:
+            (report,) = done
+            assert report.outcome.ok_keys == {b"a", b"b"}
+            assert report.cut_short == {b"e"}
+            assert report.release is not None and not report.release.is_set()
+        else:
+            time.sleep(0.05)
+            assert runner.finished() == []  # 0.33: reported only once every part has ended
+        gate.set()
+        runner.wait_idle()  # waits for the part cut short too
+        if early:
+            assert report.release.is_set()
+            assert runner.finished() == []  # reported once, never again
+        else:
+            (report,) = runner.finished()
+            assert report.outcome.ok_keys == {b"a", b"b", b"e"} and report.release is None
+        runner.shutdown()
+
+
+@pytest.mark.skipif(
+    not connector.compat.TIER_DEFERS_RELEASE, reason="vLLM 0.34's JobResult.deferred_release"
+)
+def test_a_failed_promotion_holds_its_chunks_until_the_reads_in_flight_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.34: block 1 is corrupt, block 3's read hangs. The promotion (one part per block)
+    is reported failed once blocks 0 and 1 are settled, with ``deferred_release``: vLLM fails
+    the keys but keeps their CPU chunks out of its free pool until block 3's read has ended
+    (then releases them); the request goes on from block 0, byte-exact."""
+    name, hashes = _stored(tmp_path)
+    path, data_offset = _block_file(tmp_path, name, hashes[1])
+    raw = bytearray(path.read_bytes())
+    raw[data_offset + 7] ^= 0xFF  # present at lookup, bad at promotion
+    path.write_bytes(bytes(raw))
+    monkeypatch.setattr(connector.tier.manager, "JOB_BATCH", 1)
+    gate = threading.Event()
+    read_blocks = GroupStore.read_blocks
+
+    def gated(group: GroupStore, reads: Any) -> Any:
+        if any(r.block_hash == hashes[3] for r in reads):
+            assert gate.wait(60)
+        return read_blocks(group, reads)
+
+    monkeypatch.setattr(GroupStore, "read_blocks", gated)
+    engine = TierEngine(EngineOptions(root=tmp_path))
+    tiering: Any = engine.tiering  # 0.34's attributes (mypy runs on 0.33)
+    held: list[int] = []
+
+    def release_when_held() -> None:  # the engine keeps stepping meanwhile (serve)
+        deadline = time.monotonic() + 60
+        while not held and time.monotonic() < deadline:
+            if tiering._deferred_releases:
+                held.append(tiering.primary_tier.num_deferred_release_chunks)
+            time.sleep(0.002)
+        gate.set()
+
+    watcher = threading.Thread(target=release_when_held)
+    watcher.start()
+    engine.serve("reader", [*PROMPT, 999], max_tokens=1)
+    watcher.join()
+    assert held and held[0] >= 1  # block 3's chunk (and those cut short with it) were held
+    assert tiering.primary_tier.num_deferred_release_chunks == 0  # released after
+    assert engine.first_start["reader"] == BLOCK  # block 0 promoted, 1.. recomputed
+    assert engine.prefix_ok["reader"]
     engine.shutdown()
