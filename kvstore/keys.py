@@ -1,7 +1,7 @@
 """Block keys: the engine's block hash and where it lives in a group array.
 
 A block is named by the full hash the engine computed for it (vLLM: 32 bytes for sha256*, 16 for
-xxhash*). Format v1 maps it to two chunk coordinates of the group array (DESIGN.md §3):
+xxhash*). Format v1 maps it to two chunk coordinates of the group array (docs/format.md):
 
 * ``hash_hi`` = the first 8 bits (256 fan-out directories),
 * ``hash_lo`` = the next 62 bits.

@@ -6,7 +6,7 @@ block this rank holds, and whether it is the elected writer) to a
 
 * :meth:`RankIO.store` gathers the rank's share of each block from its local KV tensors into a
   staging buffer and, for the blocks it is elected to write, writes its inner chunks into the
-  block's pending file (multi-writer protocol, DESIGN.md §4). Whole inner chunks go with their
+  block's pending file (multi-writer protocol, docs/design.md §5). Whole inner chunks go with their
   checksums; chunks split over token shards (DCP) go as byte ranges and are checksummed at
   commit (:attr:`RankIO.commit_checksum_chunks`), which also requires the completion marker
   of every range writer (:attr:`RankIO.commit_range_writers`).

@@ -1,4 +1,4 @@
-"""``kvstore-inspect``: look inside a store directory cold, read only (DESIGN.md §1, user 2).
+"""``kvstore-inspect``: look inside a store directory cold, read only (docs/design.md §1, user 3).
 
 Works on a store copied from another machine, with neither vLLM nor a GPU. Nothing in this
 package writes to a store: no probe files, no directories, no quarantine (stores are opened

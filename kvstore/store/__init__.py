@@ -1,4 +1,4 @@
-"""Format v1 and the page store (DESIGN.md §3-5). Modules, one job each:
+"""Format v1 and the page store (docs/design.md §4-6). Modules, one job each:
 
 * :mod:`.format` - the bytes of a shard file: header, layout of inner chunks, sharding index;
 * :mod:`.codec` - compressed inner chunks: the blosc codec, size bounds, the packed index;

@@ -6,7 +6,7 @@ Contract (every method takes and returns batches; one bad block never fails its 
 * :meth:`GroupStore.longest_prefix` - how many leading blocks of a hash chain are present.
 * :meth:`GroupStore.write_blocks` - write whole blocks, publish atomically.
 * :meth:`GroupStore.begin_blocks`, :meth:`write_chunks`, :meth:`write_ranges`,
-  :meth:`commit_blocks`, :meth:`abort_blocks` - the multi-writer protocol of DESIGN.md §4:
+  :meth:`commit_blocks`, :meth:`abort_blocks` - the multi-writer protocol of docs/design.md §5:
   every writer (rank) fills the same temporary file at fixed offsets, one party publishes.
 * :meth:`GroupStore.read_blocks` - read whole blocks or chosen inner chunks (heads x layers)
   into caller buffers, touching only those byte ranges; every read verifies the header against

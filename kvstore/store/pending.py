@@ -1,4 +1,4 @@
-"""The multi-writer protocol of DESIGN.md section 4: many writers fill one file, one publishes.
+"""The multi-writer protocol of docs/design.md §5: many writers fill one file, one publishes.
 
 :meth:`PendingWriter.begin_blocks` makes a :class:`~kvstore.store.types.PendingBlock` per
 block (no I/O): its hash, parent, created time, checksum algorithm and the random token that

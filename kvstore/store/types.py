@@ -89,7 +89,7 @@ class ReadResult:
 
 @dataclass(frozen=True)
 class PendingBlock:
-    """A block being written by one or more writers (DESIGN.md §4); small and picklable.
+    """A block being written by one or more writers (docs/design.md §5); small and picklable.
 
     Created once by :meth:`GroupStore.begin_blocks` (no I/O) and handed to every writer; all of
     them fill the same temporary file at fixed offsets, and one party commits it.

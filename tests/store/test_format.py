@@ -245,7 +245,7 @@ def test_check_header_names_each_mismatch() -> None:
 
 
 def test_golden_layout_names_match_design(make_store: StoreFactory, root: Path) -> None:
-    """Paths of MLA (3 leading dims) and attention (5) groups, per DESIGN.md §3."""
+    """Paths of MLA (3 leading dims) and attention (5) groups, per docs/format.md."""
     h = bytes([0xFF]) + b"\x00" * 7 + b"\x08" + bytes(7)
     mla = make_store().namespace(make_mla_identity()).group(0)
     rel = os.path.relpath(mla.path_of(h), root.absolute())

@@ -1,4 +1,4 @@
-"""The multi-writer protocol (DESIGN.md §4): begin, every writer fills its part, one commits."""
+"""The multi-writer protocol (docs/design.md §5): begin, each writer fills its part, one commits."""
 
 from __future__ import annotations
 
