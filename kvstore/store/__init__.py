@@ -9,8 +9,9 @@
 * :mod:`.page_store` - opening a store and its namespaces for serving (``KVStore``);
 * :mod:`.group_store` - the block operations of one group array (``GroupStore``, a facade over):
   :mod:`.array` (what one group array is), :mod:`.lookup` (existence probes, longest prefix),
-  :mod:`.publish` (whole-block writes and publishing), :mod:`.pending` (the multi-writer
-  protocol), :mod:`.read` (verified reads and quarantine), :mod:`.compression` (compressed
-  blocks), :mod:`.segments` (caller buffers as file segments);
+  :mod:`.publish` (whole-block writes), :mod:`.pending` (the multi-writer protocol),
+  :mod:`.files` (the file steps both share: headers, writing, naming, finishing a batch),
+  :mod:`.read` (verified reads and quarantine), :mod:`.compression` (compressed blocks),
+  :mod:`.segments` (caller buffers as file segments);
 * :mod:`.types` - requests, results, pending-block descriptors, counters.
 """

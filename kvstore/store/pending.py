@@ -13,7 +13,8 @@ Every writer writes the identical fixed header and index bytes. One party then c
 :meth:`PendingWriter.commit_blocks` (vLLM: the scheduler's ``complete_store``, after every
 worker reported): it checks the file (size, header for this key, every range writer's marker,
 a checksum in every slot - a slot left 0 means a writer never ran) and publishes it through
-:class:`~kvstore.store.publish.Publisher`, or discards it (FAILED). Compressed arrays receive
+:class:`~kvstore.store.files.BlockFiles` (the file steps it shares with the whole-block
+publisher), or discards it (FAILED). Compressed arrays receive
 raw chunks the same way; the committer compresses them before publishing.
 """
 
@@ -33,8 +34,8 @@ from kvstore.keys import check_hash
 from kvstore.store import check
 from kvstore.store import format as fmt
 from kvstore.store.array import GroupArray
+from kvstore.store.files import BlockFiles, Published, chunk_checksums, new_token
 from kvstore.store.paths import temp_path_for
-from kvstore.store.publish import Published, Publisher, chunk_checksums, new_token
 from kvstore.store.segments import chunk_segments, consecutive_runs, nbytes
 from kvstore.store.types import ChunkWrite, PendingBlock, RangeWrite, WriteResult, WriteStatus
 
@@ -44,9 +45,9 @@ MAX_RANGE_WRITERS = 4096  # completion-marker bytes a pending file may carry pas
 class PendingWriter:
     """The multi-writer protocol on one group array."""
 
-    def __init__(self, array: GroupArray, publisher: Publisher) -> None:
+    def __init__(self, array: GroupArray, files: BlockFiles) -> None:
         self.array = array
-        self.publisher = publisher
+        self.files = files
         self._fio = array.fio
 
     def begin_blocks(
@@ -100,13 +101,13 @@ class PendingWriter:
     def _sync_written(self, path: str | BaseException) -> str:
         if isinstance(path, BaseException):
             raise path
-        self.publisher.sync_file(path)
+        self.files.sync_file(path)
         return path
 
     def _write_chunks_one(self, item: ChunkWrite) -> str:
         layout = self.array.layout
         pending = item.pending
-        data = self.publisher.data(item.data)
+        data = self.files.data(item.data)
         chunks = list(item.chunks)
         if nbytes(data) != len(chunks) * layout.chunk_nbytes:
             raise KvstoreError(
@@ -126,7 +127,7 @@ class PendingWriter:
             slots = fmt.encode_checksums(sums[run_start:run_end])
             segments.append((fmt.checksum_slot_offset(chunks[run_start]), memoryview(slots)))
         path = self.temp_path(pending)
-        self.publisher.write_file(path, segments, exclusive=False, sync=False)
+        self.files.write_file(path, segments, exclusive=False, sync=False)
         return path
 
     def _write_ranges_one(self, item: RangeWrite) -> str:
@@ -140,7 +141,7 @@ class PendingWriter:
         # reported, since a missing writer's bytes are indistinguishable from zeros.
         segments.append((layout.file_nbytes + item.writer_slot, memoryview(b"\x01")))
         for offset, buffer in item.ranges:
-            data = self.publisher.data(buffer)
+            data = self.files.data(buffer)
             size = nbytes(data)
             chunk, within = divmod(offset, layout.chunk_nbytes)
             if chunk >= layout.num_chunks or within + size > layout.chunk_nbytes or offset < 0:
@@ -151,13 +152,13 @@ class PendingWriter:
             segments.append((layout.chunk_offset(chunk) + within, data))
         segments.sort(key=lambda s: s[0])
         path = self.temp_path(item.pending)
-        self.publisher.write_file(path, segments, exclusive=False, sync=False)
+        self.files.write_file(path, segments, exclusive=False, sync=False)
         return path
 
     def _shared_segments(self, pending: PendingBlock) -> list[Segment]:
         """The bytes every writer writes identically: the fixed header and the index."""
         self._check_pending(pending)
-        fixed = self.publisher.fixed_header(
+        fixed = self.files.fixed_header(
             pending.block_hash, pending.parent_hash, pending.created_ns, pending.checksum_algo
         )
         layout = self.array.layout
@@ -183,7 +184,7 @@ class PendingWriter:
         todo = checksum_chunks if checksum_chunks is not None else [()] * len(pendings)
         items = [(p, c, range_writers) for p, c in zip(pendings, todo, strict=True)]
         results = self.array.engine.map(self._commit_one, items)
-        return self.publisher.finish_writes(results, [p.block_hash for p in pendings])
+        return self.files.finish_writes(results, [p.block_hash for p in pendings])
 
     def abort_blocks(self, pendings: Sequence[PendingBlock]) -> None:
         """Remove the temporary files of pending blocks that will not be committed."""
@@ -204,11 +205,11 @@ class PendingWriter:
             if compressed is not None:  # writers wrote raw chunks: compress, then publish
                 packed = temp_path_for(final, new_token())
                 published = compressed.publish_from_raw(
-                    tmp, packed, final, pending, self.publisher.publish_name, slot_writes
+                    tmp, packed, final, pending, self.files.publish_name, slot_writes
                 )
                 return WriteStatus.WRITTEN, os.path.dirname(final), published
             array.engine.finish_file(tmp, array.layout.file_nbytes, slot_writes)
-            published = self.publisher.publish_name(tmp, final)
+            published = self.files.publish_name(tmp, final)
         except BaseException:
             array.remove_quietly(tmp)
             raise

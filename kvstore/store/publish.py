@@ -6,10 +6,10 @@ the block's name, never replacing one (:meth:`FileIO.rename <kvstore.io.fileio.F
 and are only ever removed, so a reader never sees a partial block. A crash leaves only
 temporary files, which the admin CLI sweeps.
 
-:class:`Publisher` writes whole blocks (one writer: :meth:`Publisher.write_blocks`) and holds
-the steps the multi-writer protocol (:mod:`kvstore.store.pending`) shares: writing a file
-(recreating a lost fan-out directory), naming it, and finishing a batch (directory syncs,
-counts, one log line).
+:class:`Publisher` writes whole blocks (one writer: :meth:`Publisher.write_blocks`); the file
+steps it shares with the multi-writer protocol (:mod:`kvstore.store.pending`) are
+:class:`kvstore.store.files.BlockFiles`: writing a file (recreating a lost fan-out
+directory), naming it, and finishing a batch (directory syncs, counts, one log line).
 """
 
 from __future__ import annotations
@@ -21,51 +21,35 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TypeVar, cast
 
 import numpy as np
 
 from kvstore.checksum import (
     XXH3_64,
-    checksum_chunks,
-    checksum_tensor_rows,
     chunk_sums,
 )
 from kvstore.errors import KvstoreError
 from kvstore.io.buffers import ThreadStaging, aligned_buffer
 from kvstore.io.engine import AnySegment, Data
-from kvstore.io.entries import FileId, file_id, remove_if_same
-from kvstore.io.fileio import O_DIRECT, sync_parents
+from kvstore.io.entries import file_id
+from kvstore.io.fileio import O_DIRECT
 from kvstore.io.host import NEW_FILE_FLAGS, HostEngine
 from kvstore.io.types import ALREADY_THERE, PUBLISHED, Hashing, PieceBlock, PiecePlan, Segment
 from kvstore.keys import check_hash
 from kvstore.store import format as fmt
-from kvstore.store.array import GroupArray, short_hash
-from kvstore.store.paths import ZARR_JSON, final_path_of, temp_path_for
+from kvstore.store.array import GroupArray
+from kvstore.store.files import BlockFiles, Published, Written, chunk_checksums, new_token
+from kvstore.store.paths import final_path_of, temp_path_for
 from kvstore.store.pieces import BlockPieces, PlanCache, batch_spans, block_pieces
-from kvstore.store.segments import engine_data, host_segments, nbytes
+from kvstore.store.segments import host_segments, nbytes
 from kvstore.store.types import BlockWrite, WriteResult, WriteStatus
 
 log = logging.getLogger("kvstore")
 
 T = TypeVar("T")
 
-
-@dataclass(slots=True)
-class Written:
-    """A temporary block file the first pass of :meth:`Publisher.write_blocks` wrote, with
-    its descriptor while the batch holds it (durable stores: the file is synced on it, and
-    its identity is read from it only if a directory sync fails); None once closed."""
-
-    tmp: str
-    fd: int | None
-
-
-# A publish step's outcome: status, the directory to sync, the file published: its identity,
-# or the written file whose descriptor tells it (None when the store is not durable).
-Published = tuple[WriteStatus, str | None, FileId | Written | None]
 
 _ZEROS = memoryview(bytes(fmt.ALIGN))
 # Raw dense blocks of at least this many bytes in host memory are checksummed group by group
@@ -77,9 +61,6 @@ _ZEROS = memoryview(bytes(fmt.ALIGN))
 # (0.89-1.1, noise), so the threshold only keeps small blocks' files to one vectored write.
 _HASHED_WRITE_MIN_NBYTES = 1 << 20
 _HASH_GROUP_NBYTES = 256 << 10
-# Results without an error message are immutable: one object each for every block.
-_WRITTEN = WriteResult(WriteStatus.WRITTEN)
-_EXISTS = WriteResult(WriteStatus.EXISTS)
 
 
 def max_held_files() -> int:
@@ -98,24 +79,15 @@ def max_held_files() -> int:
 MAX_HELD_FILES = max_held_files()
 
 
-def new_token() -> str:
-    """A fresh temporary-file token (no dot: see :func:`~kvstore.store.paths.temp_path_for`):
-    16 hex digits of 64 random bits (as ``uuid4().hex[:16]`` gave, without the UUID object)."""
-    return os.urandom(8).hex()
-
-
-class Publisher:
-    """Whole-block writes of one group array, and the publishing steps every write shares."""
+class Publisher(BlockFiles):
+    """Whole-block writes of one group array (the file steps: :class:`BlockFiles`)."""
 
     def __init__(self, array: GroupArray) -> None:
-        self.array = array
-        self._fio = array.fio
+        super().__init__(array)
         # Whole-block headers are built in a per-thread page-aligned buffer, so an O_DIRECT
         # write sends them from where they are (no staging copy, no allocation per block):
         # attribute "page" of _pages (see _header_page).
         self._pages = threading.local()
-        # The fixed header fields every block of the array shares, packed once.
-        self._fixed = fmt.FixedHeaderTemplate(array.layout, array.namespace_digest, array.index)
         self._padded_images = ThreadStaging()
         index = aligned_buffer(len(array.layout.index_bytes))
         index[:] = np.frombuffer(array.layout.index_bytes, dtype=np.uint8)
@@ -448,18 +420,7 @@ class Publisher:
                 with contextlib.suppress(OSError):
                     self._fio.close(fd)
 
-    # -- steps shared with the multi-writer protocol -----------------------------------------
-
-    def header(
-        self, block_hash: bytes, parent: bytes | None, created_ns: int, sums: Sequence[int]
-    ) -> bytearray:
-        """The whole header of a raw block: fixed part and every checksum slot."""
-        header = bytearray(self.array.layout.header_nbytes)
-        fixed = self.fixed_header(block_hash, parent, created_ns, self.array.checksum_algo)
-        header[: len(fixed)] = fixed
-        slots = fmt.encode_checksums(list(sums))
-        header[fmt.HEADER_FIXED_NBYTES : fmt.HEADER_FIXED_NBYTES + len(slots)] = slots
-        return header
+    # -- headers of whole blocks ---------------------------------------------------------------
 
     def _padded_image(self, data: memoryview) -> memoryview:
         """The data region of a padded layout (chunks at their stride, zero padding) built in
@@ -497,18 +458,6 @@ class Publisher:
         self._pack_fixed(view, block_hash, parent, time.time_ns())
         return view
 
-    def _pack_fixed(
-        self, view: memoryview, block_hash: bytes, parent: bytes | None, created_ns: int
-    ) -> None:
-        """The fixed part of a header into ``view`` (``parent`` checked here)."""
-        self._fixed.pack_into(
-            view,
-            block_hash,
-            check_hash(parent) if parent is not None else None,
-            self.array.checksum_algo,
-            created_ns,
-        )
-
     def _header_page(self) -> tuple[memoryview, np.ndarray]:
         """The calling thread's header buffer of this array (created on its first use): the
         whole header as a memoryview, and its checksum slots as a ``<u8`` array over the same
@@ -520,75 +469,6 @@ class Publisher:
         page = (buffer.data, slots.view("<u8"))
         self._pages.page = page
         return page
-
-    def fixed_header(
-        self, block_hash: bytes, parent: bytes | None, created_ns: int, algo: int
-    ) -> bytes:
-        """The fixed part of a block's header (:func:`~kvstore.store.format.encode_fixed_header`
-        of this array)."""
-        parent_hash = check_hash(parent) if parent is not None else None
-        return self._fixed.encode(block_hash, parent_hash, algo, created_ns)
-
-    def data(self, buffer: object, *, host: bool = False) -> Data:
-        """A caller's bytes as this array's engine takes them (:func:`engine_data`)."""
-        return engine_data(buffer, self.array.device_engine, host=host)
-
-    def write_file(
-        self,
-        path: str,
-        segments: Sequence[AnySegment],
-        *,
-        exclusive: bool,
-        file_nbytes: int | None = None,
-        sync: bool = True,
-    ) -> None:
-        """engine.write_file, recreating a lost fan-out directory of a live array.
-
-        If the array itself is gone (``kvstore rm`` removed the namespace while this server
-        ran), the write fails instead of resurrecting a namespace without its metadata.
-        ``file_nbytes``: the file's size when it is not the raw layout's (compressed blocks).
-        """
-        size = self.array.layout.file_nbytes if file_nbytes is None else file_nbytes
-        self._recreating_fan_out(
-            path, lambda: self._engine_write(path, segments, size, exclusive, sync)
-        )
-
-    def _recreating_fan_out(self, path: str, write: Callable[[], T]) -> T:
-        """``write()`` into ``path``; if its fan-out directory is gone, recreated and again
-        (see :meth:`write_file`)."""
-        try:
-            return write()
-        except FileNotFoundError:
-            self._recreate_fan_out(path)
-            return write()
-
-    def _recreate_fan_out(self, path: str) -> None:
-        """After a write into ``path`` found no directory: its fan-out directory recreated,
-        or :class:`KvstoreError` when the array itself is gone (see :meth:`write_file`)."""
-        array = self.array
-        if not self._fio.exists(f"{array.array_path}{os.sep}{ZARR_JSON}"):
-            raise KvstoreError(
-                f"namespace {array.namespace} was removed from the store (no "
-                f"{array.array_path}/{ZARR_JSON}); reopen the store to recreate it"
-            ) from None
-        # Recreated from the root without following a link: one planted where a fan-out
-        # directory was must not receive block files (with their prompts) elsewhere.
-        created: list[str] = []
-        self._fio.close(array.open_dir(os.path.dirname(path), created))
-        if array.engine.config.durable:
-            sync_parents(self._fio, created)
-
-    def _engine_write(
-        self, path: str, segments: Sequence[AnySegment], size: int, exclusive: bool, sync: bool
-    ) -> None:
-        """Device segments to the device engine; host-only lists to any engine."""
-        host = host_segments(segments)
-        if host is not None:
-            self.array.engine.write_file(path, host, size, exclusive=exclusive, sync=sync)
-            return
-        device = self.array.device_engine
-        assert device is not None  # data() keeps tensors only for such engines
-        device.write_file(path, segments, size, exclusive=exclusive, sync=sync)
 
     def _write_new(self, path: str, segments: list[AnySegment], size: int, host: bool) -> int:
         """A new file's write, returning its open descriptor unsynced: ``host`` segments go
@@ -605,126 +485,3 @@ class Publisher:
         device = self.array.device_engine
         assert device is not None  # data() keeps tensors only for such engines
         return device.write_new_file(path, segments, size)
-
-    def sync_file(self, path: str) -> None:
-        """fdatasync a file written (unsynced) earlier in the batch."""
-        fd = self._fio.open(path, os.O_RDONLY)
-        try:
-            self._fio.fdatasync(fd)
-        finally:
-            self._fio.close(fd)
-
-    def publish_name(self, tmp: str, final: str) -> FileId | None:
-        """Give the complete temporary file ``tmp`` the name ``final`` (never replacing one).
-
-        Returns the identity of the file published when the store is durable: if the
-        directory sync then fails, :meth:`finish_writes` withdraws that file - and only that
-        file, not a copy someone else published under the name since. One ``lstat`` of a name
-        only this writer knows, on a path that syncs the file and its directory anyway.
-        """
-        durable = self.array.engine.config.durable
-        published = file_id(self._fio.lstat_at(None, tmp)) if durable else None
-        self._fio.rename(tmp, final)
-        return published
-
-    def finish_writes(
-        self, results: Sequence[Published | BaseException], hashes: Sequence[bytes]
-    ) -> list[WriteResult]:
-        """Fsync the directories of published blocks (once each), count, log failures."""
-        array = self.array
-        durable = array.engine.config.durable
-        out: list[WriteResult] = []
-        # Directories to sync and the identities of the files published: kept only when
-        # the store is durable (nothing else reads them).
-        dirs: set[str] = set()
-        failures: list[str] = []
-        published: dict[int, FileId | Written | None] = {}
-        for i, (result, block_hash) in enumerate(zip(results, hashes, strict=True)):
-            if type(result) is tuple:  # published, or present already (the common cases)
-                status, directory, identity = result
-                out.append(_WRITTEN if status is WriteStatus.WRITTEN else _EXISTS)
-                if durable:
-                    if status is WriteStatus.WRITTEN and directory is not None:
-                        dirs.add(directory)
-                    published[i] = identity
-                continue
-            if isinstance(result, FileExistsError) and result.filename2 == array.block_path(
-                block_hash
-            ):
-                # The publishing rename found the block there: another process or node
-                # published it since our existence check (FileIO.rename never replaces).
-                out.append(_EXISTS)
-                continue
-            assert isinstance(result, BaseException)  # Published is a tuple
-            message = f"{type(result).__name__}: {result}"
-            failures.append(f"{short_hash(block_hash)} ({message})")
-            out.append(WriteResult(WriteStatus.FAILED, message))
-        if dirs:
-            failures += self._sync_dirs(sorted(dirs), hashes, out, published)
-        # Counted once the directory syncs have withdrawn what they must (one pass, statuses
-        # compared by identity: an Enum's hash is a Python-level call).
-        written = existing = 0
-        for outcome in out:
-            if outcome.status is WriteStatus.WRITTEN:
-                written += 1
-            elif outcome.status is WriteStatus.EXISTS:
-                existing += 1
-        array.stats.add(
-            blocks_written=written,
-            blocks_existing=existing,
-            write_failures=len(out) - written - existing,
-            bytes_written=written * array.layout.block_nbytes,
-        )
-        if failures:
-            log.warning(
-                "kvstore: %d of %d block writes failed in %s, first: %s",
-                len(failures),
-                len(hashes),
-                array.label,
-                failures[0],
-            )
-        return out
-
-    def _sync_dirs(
-        self,
-        ordered: list[str],
-        hashes: Sequence[bytes],
-        out: list[WriteResult],
-        published: dict[int, FileId | Written | None],
-    ) -> list[str]:
-        """Fsync the directories of a batch; blocks in one that failed are withdrawn."""
-        synced = self.array.engine.map(self._fio.fsync_dir, ordered)
-        bad_dirs = {d for d, e in zip(ordered, synced, strict=True) if isinstance(e, BaseException)}
-        if not bad_dirs:
-            return []
-        # The renames happened but may not survive a power loss. FAILED promises "not
-        # published", so those blocks are withdrawn (a reader that got one read valid,
-        # verified bytes; the engine just cannot count on the block).
-        error = next(e for e in synced if isinstance(e, BaseException))
-        message = f"directory fsync failed: {error}"
-        for i, block_hash in enumerate(hashes):
-            path = self.array.block_path(block_hash)
-            if out[i].status is WriteStatus.WRITTEN and os.path.dirname(path) in bad_dirs:
-                self._withdraw(path, published.get(i))
-                out[i] = WriteResult(WriteStatus.FAILED, message)
-        return [message]
-
-    def _withdraw(self, path: str, published: FileId | Written | None) -> None:
-        """Remove the file this process published at ``path``, if the name still holds it
-        (another node may have removed it and published its own copy meanwhile)."""
-        if published is None:
-            return  # not durable: no directory sync, nothing withdrawn
-        with contextlib.suppress(OSError):
-            if isinstance(published, Written):
-                assert published.fd is not None  # held until the batch's directory syncs end
-                published = file_id(self._fio.fstat(published.fd))
-            remove_if_same(self._fio, None, path, published)
-
-
-def chunk_checksums(algo: int, data: Data, chunk_nbytes: int, count: int) -> list[int]:
-    """Checksums of ``count`` chunks of ``data``: on the tensor's device for device data."""
-    if isinstance(data, memoryview):
-        return checksum_chunks(algo, data, chunk_nbytes, count)
-    if count == 0:
-        return []
-    return checksum_tensor_rows(algo, data[: count * chunk_nbytes].view(count, chunk_nbytes))
