@@ -12,6 +12,11 @@ The public API, in the order a user meets it::
         g.read_blocks([BlockRead(block_hash, out_buffer)])
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     BlockError,
@@ -25,20 +30,56 @@ from kvstore.errors import (
 )
 from kvstore.identity import GroupSpec, Identity
 from kvstore.models import ModelGeometry, load_model, model_names
-from kvstore.store.format import ShardLayout
-from kvstore.store.group_store import GroupStore
-from kvstore.store.page_store import KVStore, Namespace
-from kvstore.store.types import (
-    BlockRead,
-    BlockWrite,
-    ChunkWrite,
-    PendingBlock,
-    RangeWrite,
-    ReadResult,
-    ReadStatus,
-    WriteResult,
-    WriteStatus,
-)
+
+if TYPE_CHECKING:
+    from kvstore.store.format import ShardLayout
+    from kvstore.store.group_store import GroupStore
+    from kvstore.store.page_store import KVStore, Namespace
+    from kvstore.store.types import (
+        BlockRead,
+        BlockWrite,
+        ChunkWrite,
+        PendingBlock,
+        RangeWrite,
+        ReadResult,
+        ReadStatus,
+        WriteResult,
+        WriteStatus,
+    )
+
+# The store's classes are imported on first use: the tools (``kvstore ls``, ``kvstore-inspect``)
+# read a store through ``kvstore.store.view`` and never need the serving stack (its engines
+# import torch, which alone costs a tool several times its own start-up).
+_LAZY = {
+    "ShardLayout": "kvstore.store.format",
+    "GroupStore": "kvstore.store.group_store",
+    "KVStore": "kvstore.store.page_store",
+    "Namespace": "kvstore.store.page_store",
+    **dict.fromkeys(
+        (
+            "BlockRead",
+            "BlockWrite",
+            "ChunkWrite",
+            "PendingBlock",
+            "RangeWrite",
+            "ReadResult",
+            "ReadStatus",
+            "WriteResult",
+            "WriteStatus",
+        ),
+        "kvstore.store.types",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 

@@ -55,15 +55,18 @@ import warnings
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import crc32c as _crc32c
 import numpy as np
-import torch
 import xxhash
 
 from kvstore.callargs import address, buffer_view, native_words, ssize, typed_view
 from kvstore.errors import StoreFormatError
 from kvstore.native import NativeBinding
+
+if TYPE_CHECKING:
+    import torch
 
 Checksum = Callable[[memoryview], int]
 # kvstore._xxh3batch.sums(data, chunk_nbytes, count, stride, out)
@@ -207,6 +210,8 @@ def checksum_tensor_rows(algo_id: int, rows: torch.Tensor) -> list[int]:
     Algorithms not in :data:`DEVICE_ALGOS` copy the rows to the host first (a round trip the
     caller chose by picking such an algorithm for device data).
     """
+    import torch  # noqa: PLC0415 - lazy: reading a store with host checksums needs no torch
+
     if algo_id in DEVICE_ALGOS:
         return wsum64_rows(rows)
     # As bytes: each row's checksum is of its bytes whatever the element type.
@@ -376,6 +381,8 @@ _KEYS_LOCK = threading.Lock()
 
 def _keys_on(words: int, device: torch.device) -> torch.Tensor:
     """Keys as int64 (the same bits) on ``device``, built once per chunk size and device."""
+    import torch  # noqa: PLC0415 - lazy: reading a store with host checksums needs no torch
+
     cache_key = (words, device)
     keys = _KEYS.get(cache_key)
     if keys is None:
@@ -403,6 +410,8 @@ def wsum64_sums(rows: torch.Tensor) -> torch.Tensor:
     4-byte aligned (``Tensor.view(torch.int32)`` checks the offset), are copied once
     (zero-padded) so they can be viewed as int32 words.
     """
+    import torch  # noqa: PLC0415 - lazy: reading a store with host checksums needs no torch
+
     if rows.dim() != 2 or rows.dtype != torch.uint8:
         raise ValueError(
             f"wsum64: expected a 2-D uint8 tensor, got {rows.dtype} {tuple(rows.shape)}"
@@ -459,6 +468,8 @@ def wsum64(data: bytes | bytearray | memoryview) -> int:
 
 def _host_tensor(view: memoryview) -> torch.Tensor:
     """A uint8 CPU tensor over ``view`` without a copy (read-only memory is only read)."""
+    import torch  # noqa: PLC0415 - lazy: reading a store with host checksums needs no torch
+
     if len(view) == 0:
         return torch.zeros(0, dtype=torch.uint8)
     with warnings.catch_warnings():

@@ -41,7 +41,6 @@ from kvstore.inspect import text
 from kvstore.inspect import tree as tree_view
 from kvstore.inspect.decode import Selection, to_float
 from kvstore.inspect.export import export_block
-from kvstore.inspect.pictures import heatmap_png, tree_png
 from kvstore.inspect.rank import RankView, format_slots, rank_view
 from kvstore.inspect.render import dumps, spans
 from kvstore.inspect.resolve import BlockRef, find_block, find_namespace, parse_range
@@ -246,6 +245,8 @@ def cmd_tree(args: argparse.Namespace) -> int:
     if args.png is not None:
         w, h = args.size
         title = f"{group.label}: prefix forest"
+        from kvstore.inspect.pictures import tree_png  # noqa: PLC0415 - lazy: matplotlib
+
         tree_png(args.png, forest, title, width=w, height=h)
         doc["png"] = str(args.png)
     _emit(args, doc, text.tree_text(doc))
@@ -351,6 +352,8 @@ def cmd_heatmap(args: argparse.Namespace) -> int:
     if _refuse_damaged(args, doc, values):
         return 1
     w, h = args.size
+    from kvstore.inspect.pictures import heatmap_png  # noqa: PLC0415 - lazy: matplotlib
+
     grids = heatmap_png(
         args.png,
         values.floats,

@@ -16,12 +16,15 @@ Shapes (format v1, docs/format.md): an attention selection of heads x layers is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvstore.errors import InspectError
 from kvstore.store.view import GroupView
+
+if TYPE_CHECKING:
+    import torch
 
 _RAW_NUMPY: dict[str, str] = {
     "bfloat16": "<u2",
@@ -32,15 +35,9 @@ _RAW_NUMPY: dict[str, str] = {
     "int8": "i1",
     "uint8": "u1",
 }
-_TORCH: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
+# torch's name of each KV dtype (torch is imported only to decode bfloat16 / float8 values:
+# the commands that only list or check a store never need it).
+_TORCH_NAMES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 
 
 @dataclass(frozen=True)
@@ -93,7 +90,11 @@ def raw_array(data: np.ndarray, group: GroupView, selection: Selection) -> np.nd
 
 def typed_tensor(raw: np.ndarray, dtype_name: str) -> torch.Tensor:
     """A torch tensor of the real dtype viewing the bits of ``raw`` (no copy, no rounding)."""
-    target = _TORCH[dtype_name]
+    import torch  # noqa: PLC0415 - lazy (see _TORCH_NAMES)
+
+    if dtype_name not in _TORCH_NAMES:
+        raise InspectError(f"dtype: expected one of {list(_TORCH_NAMES)}, got {dtype_name!r}")
+    target = getattr(torch, dtype_name)
     if raw.dtype == np.uint16:  # torch has no uint16 view path everywhere; int16 is the same bits
         bits = torch.from_numpy(np.ascontiguousarray(raw).view(np.int16))
     else:

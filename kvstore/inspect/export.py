@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-from safetensors.torch import save_file
 
 from kvstore.errors import InspectError
 from kvstore.inspect.decode import typed_tensor
@@ -49,6 +48,8 @@ def export_block(values: BlockValues, out: Path, decoded: bool = False) -> dict[
             tensor = typed_tensor(values.floats, "float32")
         else:
             tensor = typed_tensor(values.raw, group.dtype.name)
+        from safetensors.torch import save_file  # noqa: PLC0415 - lazy: it imports torch
+
         save_file({"kv": tensor.contiguous()}, str(out), metadata=meta)
         stored = str(tensor.dtype).removeprefix("torch.")
     else:

@@ -22,14 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from kvstore.errors import InspectError
 from kvstore.identity import Identity
 from kvstore.inspect.decode import raw_numpy_dtype
 from kvstore.inspect.render import spans
 from kvstore.keys import writer_election_key
-from kvstore.layout.page import scatter_blocks
 from kvstore.layout.parallel import (
     GroupGeometry,
     LayoutError,
@@ -142,6 +140,10 @@ def rank_view(  # noqa: PLR0913 - the block and its identity plus the rank query
 
 def _scatter(mapping: RankMapping, block: np.ndarray) -> list[np.ndarray]:
     """The rank's local page of each local layer (uint8, ``page_bytes``) after loading ``block``."""
+    import torch  # noqa: PLC0415 - lazy: only the rank view moves pages (with torch)
+
+    from kvstore.layout.page import scatter_blocks  # noqa: PLC0415
+
     src = torch.from_numpy(np.ascontiguousarray(block, dtype=np.uint8)).reshape(1, -1)
     pages = [torch.zeros((1, mapping.page_bytes), dtype=torch.uint8) for _ in mapping.local_layers]
     scatter_blocks(mapping, src, pages, [0])

@@ -4,7 +4,10 @@
 :mod:`kvstore.layout.page` moves bytes by it with torch.
 """
 
-from kvstore.layout.page import gather_blocks, scatter_blocks
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from kvstore.layout.parallel import (
     CopyRun,
     GroupGeometry,
@@ -20,6 +23,19 @@ from kvstore.layout.parallel import (
     pp_layer_range,
     verify_tiling,
 )
+
+if TYPE_CHECKING:
+    from kvstore.layout.page import gather_blocks, scatter_blocks
+
+
+def __getattr__(name: str) -> Any:
+    # The byte movers need torch; the mapping (and the tools that print one) do not.
+    if name in ("gather_blocks", "scatter_blocks"):
+        from kvstore.layout import page  # noqa: PLC0415
+
+        return getattr(page, name)
+    raise AttributeError(f"module 'kvstore.layout' has no attribute {name!r}")
+
 
 __all__ = [
     "CopyRun",
