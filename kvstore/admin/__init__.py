@@ -5,7 +5,7 @@ each module's ``run``:
 
 * :mod:`~kvstore.admin.scan` - walk a store cold (opened as :mod:`kvstore.store.view`):
   blocks, temp, foreign and held files;
-* :mod:`~kvstore.admin.blockfile` - a verdict per block file (:mod:`kvstore.store.check`);
+* :mod:`~kvstore.admin.blockfile` - a verdict per block file (:mod:`kvstore.store.full_check`);
 * :mod:`~kvstore.admin.sizes` - ``10G`` / ``500MiB`` and ``7d`` / ``12h``, and printing them;
 * :mod:`~kvstore.admin.ls`, :mod:`~kvstore.admin.du` - what is in it, where the bytes are;
 * :mod:`~kvstore.admin.verify` - is it intact (``--fix`` quarantines and sweeps);

@@ -30,7 +30,7 @@ from kvstore.admin.scan import Entry
 from kvstore.admin.sizes import iso_time
 from kvstore.errors import CorruptBlockError
 from kvstore.keys import hash_coords
-from kvstore.store.check import read_header
+from kvstore.store.full_check import read_header
 
 BlockKey = tuple[str, int, int, int]  # (namespace, group, hash_hi, hash_lo)
 

@@ -5,7 +5,7 @@ package writes to a store: no probe files, no directories, no quarantine (stores
 through the read-only :mod:`kvstore.store.view`). Modules, one job each:
 
 * :mod:`.blockfile` - verify one shard file and read its chunks, reporting damage (the one
-  block check, :mod:`kvstore.store.check`);
+  block check, :mod:`kvstore.store.full_check`);
 * :mod:`.resolve` - namespace names, hash prefixes, head / layer ranges;
 * :mod:`.decode` - stored bits to numpy / torch arrays of the real dtype;
 * :mod:`.values`, :mod:`.stats` - decoded selections and their statistics;

@@ -13,7 +13,7 @@ from typing import Any
 from kvstore.checksum import NAMES
 from kvstore.inspect.blockfile import check_block, quick_header
 from kvstore.inspect.resolve import BlockRef
-from kvstore.store.check import BlockCheck
+from kvstore.store.full_check import BlockCheck
 from kvstore.store.view import GroupView
 
 _ALGOS = NAMES  # header id -> algorithm name (xxh3_64, crc32c, wsum64)

@@ -5,7 +5,7 @@ do neither. :func:`check_block` runs every check a server runs (file size, magic
 header crc, key, namespace, group, geometry, per-chunk checksum) and those a server does not
 need (the sharding index plain zarr readers rely on, zero padding, that compressed chunks
 decode), reading the file once with plain ``pread`` calls, and returns a
-:class:`~kvstore.store.check.BlockCheck` listing what failed. It never raises for a damaged
+:class:`~kvstore.store.full_check.BlockCheck` listing what failed. It never raises for a damaged
 block; it raises only :class:`~kvstore.inspect.resolve.InspectError` for a caller error (bad
 chunk numbers).
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.errors import InspectError
-from kvstore.store import check
-from kvstore.store.check import BlockCheck
+from kvstore.store import full_check
 from kvstore.store.format import BlockHeader
+from kvstore.store.full_check import BlockCheck
 from kvstore.store.paths import parse_lo
 from kvstore.store.view import GroupView
 
@@ -41,7 +41,7 @@ def check_block(
     of a short file are zero), whatever their state; otherwise it is None.
     """
     try:
-        return check.check_file(
+        return full_check.check_file(
             path,
             group.shard,
             coords=_coords(path),
@@ -59,7 +59,7 @@ def quick_header(group: GroupView, path: Path) -> tuple[BlockHeader | None, str 
     Returns ``(header, None)`` or ``(None, problem)``. Cheap (one small read): used to scan
     every block of a group (prefix trees, hash prefixes).
     """
-    header, fault = check.quick_check(path, group.shard, _coords(path))
+    header, fault = full_check.quick_check(path, group.shard, _coords(path))
     return header, None if fault is None else fault.detail
 
 

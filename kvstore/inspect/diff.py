@@ -17,7 +17,7 @@ import numpy as np
 
 from kvstore.inspect.blockfile import check_block, quick_header
 from kvstore.inspect.decode import Selection, raw_array, to_float
-from kvstore.store.check import BlockCheck
+from kvstore.store.full_check import BlockCheck
 from kvstore.store.paths import BlockFile
 from kvstore.store.view import GroupView, StoreView
 

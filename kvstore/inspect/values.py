@@ -19,7 +19,7 @@ from kvstore.inspect.blockfile import check_block
 from kvstore.inspect.decode import Selection, raw_array, to_float
 from kvstore.inspect.resolve import BlockRef
 from kvstore.inspect.stats import StatRow, attention_stats, mla_stats
-from kvstore.store.check import BlockCheck
+from kvstore.store.full_check import BlockCheck
 from kvstore.store.view import GroupView
 
 

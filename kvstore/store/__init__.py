@@ -4,7 +4,8 @@
 * :mod:`.codec` - compressed inner chunks: the blosc codec, size bounds, the packed index;
 * :mod:`.paths` - every on-disk name (block, temporary, quarantine, trash) and the one listing;
 * :mod:`.metadata` - the zarr v3 documents (root, namespace, array);
-* :mod:`.check` - the one block check: hot-path header / chunk checks, the tools' full check;
+* :mod:`.check` - the hot-path block check: header and chunk checks, raising at the first;
+* :mod:`.full_check` - the tools' offline check: every fault of a file, never raising;
 * :mod:`.view` - a read-only view of a store directory (admin and inspect open stores with it);
 * :mod:`.page_store` - opening a store and its namespaces for serving (``KVStore``);
 * :mod:`.group_store` - the block operations of one group array (``GroupStore``, a facade over):

@@ -14,7 +14,7 @@ on request whether it is the document format v1 prescribes), and directory listi
 following links (:func:`kvstore.store.paths.list_dir`, called through its module so that tests
 can inject listing failures there), a ``zarr.json`` is read only when
 ``lstat`` says it is a regular file in a real directory. Block contents are checked by
-:mod:`kvstore.store.check`.
+:mod:`kvstore.store.full_check`.
 
 A namespace directory whose document cannot be read, or whose identity hashes to another name
 (renamed, or its ``zarr.json`` edited), is a :class:`Problem` of the store, not one of its

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvstore.admin import scan, verify
-from kvstore.store import check
+from kvstore.store import full_check
 from kvstore.store.types import BlockRead
 from tests.admin.test_verify import flip
 from tests.admin.util import NS_PER_S, cli_json, expected_bytes, set_mtime, write
@@ -34,7 +34,7 @@ def test_fix_leaves_a_copy_republished_after_the_check(
     good, bad = block_hash(0), block_hash(1)
     paths = write(group, [good, bad])
     flip(paths[1], group.layout.chunk_offset(0) + 7)  # the copy verify will judge corrupt
-    real_check = check.check_file
+    real_check = full_check.check_file
     republished: list[int] = []
 
     def check_then_republish(path: str | Path, *args: Any, **kwargs: Any) -> Any:
@@ -47,7 +47,7 @@ def test_fix_leaves_a_copy_republished_after_the_check(
             republished.append(os.lstat(paths[1]).st_ino)
         return result
 
-    monkeypatch.setattr(check, "check_file", check_then_republish)
+    monkeypatch.setattr(full_check, "check_file", check_then_republish)
     rc, doc = cli_json(capsys, "verify", root, "--fix")
     assert republished, "the hook never ran: the check path changed"
     assert rc == 1  # the bad copy was found ...

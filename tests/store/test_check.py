@@ -12,10 +12,11 @@ from kvstore.checksum import crc32c
 from kvstore.errors import CorruptBlockError, EntryKindError
 from kvstore.identity import Identity
 from kvstore.keys import hash_coords
-from kvstore.store import check
-from kvstore.store.check import ChunkState, ShardSpec, check_file, quick_check
+from kvstore.store import check, full_check
+from kvstore.store.check import ShardSpec
 from kvstore.store.codec import Codec
 from kvstore.store.format import HEADER_FIXED_NBYTES, checksum_slot_offset
+from kvstore.store.full_check import ChunkState, check_file, quick_check
 from kvstore.store.group_store import GroupStore
 from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus
 from tests.helpers import StoreFactory, block_bytes, block_hash, chunk_bytes
@@ -68,26 +69,26 @@ def test_each_fault_kind(make_store: StoreFactory, odd_identity: Identity) -> No
     coords = hash_coords(h)
     original = Path(path).read_bytes()
 
-    def verdict(**kwargs: object) -> check.Fault | None:
+    def verdict(**kwargs: object) -> full_check.Fault | None:
         result, _ = check_file(path, spec, coords=coords, **kwargs)  # type: ignore[arg-type]
         return result.fault
 
     Path(path).write_bytes(original[: layout.chunk_offset(1)])
     short = layout.chunk_offset(1)
     expected = f"file size: expected {layout.file_nbytes} bytes, got {short}"
-    assert verdict() == check.Fault(check.TRUNCATED, expected)
+    assert verdict() == full_check.Fault(full_check.TRUNCATED, expected)
     Path(path).write_bytes(original + b"\0")
     fault = verdict()
-    assert fault is not None and fault.kind == check.OVERSIZED
+    assert fault is not None and fault.kind == full_check.OVERSIZED
     Path(path).write_bytes(original)
 
     fault = verdict(expect_hash=other)
-    assert fault is not None and fault.kind == check.MIS_KEYED
+    assert fault is not None and fault.kind == full_check.MIS_KEYED
     result, _ = check_file(path, spec, coords=hash_coords(other))
-    assert result.fault is not None and result.fault.kind == check.MIS_KEYED
+    assert result.fault is not None and result.fault.kind == full_check.MIS_KEYED
     foreign = ShardSpec(layout, bytes(32), group.index)
     result, _ = check_file(path, foreign, coords=coords)
-    assert result.fault is not None and result.fault.kind == check.MISPLACED
+    assert result.fault is not None and result.fault.kind == full_check.MISPLACED
     assert "foreign block" in result.fault.detail
 
     cases = {
@@ -101,7 +102,7 @@ def test_each_fault_kind(make_store: StoreFactory, odd_identity: Identity) -> No
     for offset, expected in cases.items():
         flip(path, offset)
         fault = verdict()
-        assert fault is not None and fault.kind == check.CORRUPT, (offset, fault)
+        assert fault is not None and fault.kind == full_check.CORRUPT, (offset, fault)
         assert expected in fault.detail, (offset, fault)
         Path(path).write_bytes(original)
 
@@ -146,7 +147,7 @@ def test_damaged_compressed_chunk_and_index(
     Path(path).write_bytes(original)
     flip(path, len(original) - 10)  # the index
     result, _ = check_file(path, spec_of(group))
-    assert result.fault is not None and result.fault.kind == check.CORRUPT
+    assert result.fault is not None and result.fault.kind == full_check.CORRUPT
     assert all(c.state is ChunkState.UNVERIFIED for c in result.chunks)
 
 
@@ -156,17 +157,17 @@ def test_unreadable_entries_are_faults_not_errors(
     group = make_store().namespace(small_identity).group(0)
     spec = spec_of(group)
     result, _ = check_file(tmp_path / "absent", spec)
-    assert result.fault is not None and result.fault.kind == check.UNREADABLE
+    assert result.fault is not None and result.fault.kind == full_check.UNREADABLE
     assert isinstance(result.error, FileNotFoundError) and result.file_nbytes == -1
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)  # an open that could block: never attempted
     result, _ = check_file(fifo, spec)
-    assert result.fault is not None and result.fault.kind == check.CORRUPT
+    assert result.fault is not None and result.fault.kind == full_check.CORRUPT
     assert "FIFO" in result.fault.detail and isinstance(result.error, EntryKindError)
     header, fault = quick_check(fifo, spec)
-    assert header is None and fault is not None and fault.kind == check.CORRUPT
+    assert header is None and fault is not None and fault.kind == full_check.CORRUPT
     header, fault = quick_check(tmp_path / "absent", spec)
-    assert header is None and fault is not None and fault.kind == check.UNREADABLE
+    assert header is None and fault is not None and fault.kind == full_check.UNREADABLE
     with pytest.raises(ValueError, match="chunk numbers"):
         check_file(fifo, spec, chunks=[group.layout.num_chunks])
 

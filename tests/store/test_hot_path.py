@@ -18,7 +18,7 @@ from kvstore.checksum import CRC32C, WSUM64, XXH3_64, chunk_sums, crc32c, wsum64
 from kvstore.errors import CorruptBlockError
 from kvstore.io.host import HostEngine
 from kvstore.io.types import Hashing
-from kvstore.store import check
+from kvstore.store import check, full_check
 from kvstore.store import format as fmt
 from kvstore.store import read as read_module
 from kvstore.store.check import ShardSpec
@@ -246,7 +246,7 @@ def test_padded_blocks_are_the_same_bytes_with_and_without_o_direct(
         h, data = write_one(group, 6)
         path = group.path_of(h)
         spec = ShardSpec(group.layout, group.namespace_digest, group.index)
-        result, _ = check.check_file(path, spec, expect_hash=h)
+        result, _ = full_check.check_file(path, spec, expect_hash=h)
         assert result.ok, result.summary()
         got, out = read_whole(group, h)
         assert got.ok and out.tobytes() == data.tobytes()
