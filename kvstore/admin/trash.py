@@ -48,7 +48,7 @@ from pathlib import Path
 from kvstore.admin.scan import HeldFile
 from kvstore.errors import KvstoreError
 from kvstore.io.entries import FileId, kind_noun, move_if_same
-from kvstore.io.fileio import DEFAULT_FILEIO
+from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.store.paths import QUARANTINE, REMOVED_PREFIX, TRASH
 
 DEFAULT_GRACE_S = 60.0

@@ -52,7 +52,7 @@ from kvstore.admin.sizes import format_duration, format_size
 from kvstore.admin.trash import HeldDirectoryError, ReplacedError, quarantine_file
 from kvstore.errors import StoreFormatError
 from kvstore.io.entries import FileId, kind_noun, remove_if_same
-from kvstore.io.fileio import DEFAULT_FILEIO
+from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.store import metadata
 from kvstore.store.check import ShardSpec
 from kvstore.store.codec import Codec

@@ -51,7 +51,8 @@ from kvstore.checksum import XXH3_64, chunk_sums, crc32c
 from kvstore.errors import CorruptBlockError
 from kvstore.io.align import ALIGN
 from kvstore.io.buffers import aligned_buffer, is_aligned
-from kvstore.io.fileio import O_DIRECT, FileIO
+from kvstore.io.fileio import O_DIRECT
+from kvstore.io.native_fileio import NativeFileIO
 from kvstore.io.rename import AT_FDCWD, RENAME_NOREPLACE, load_renameat2, rename_noreplace
 from kvstore.store import format as fmt
 from kvstore.store.format import ShardLayout
@@ -340,9 +341,9 @@ class SyscallFloor:
     * protocol: ``lstat``, then kvstore's own compound operations
       (:meth:`~kvstore.io.fileio.FileIO.write_new`: open ``O_EXCL``, one vectored write of a
       header-sized page, the data and the index; ``sync_and_rename``: ``renameat2`` without
-      replacing; close), and ``read_regular`` (open, ``fstat``, one ``preadv``, close). On the
-      plain :class:`~kvstore.io.fileio.FileIO` each is one native call, so the Python left is
-      one loop step per block.
+      replacing; close), and ``read_regular`` (open, ``fstat``, one ``preadv``, close). On
+      :class:`~kvstore.io.native_fileio.NativeFileIO` each is one native call, so the Python
+      left is one loop step per block.
     """
 
     def __init__(
@@ -358,7 +359,7 @@ class SyscallFloor:
         self.layout = layout
         self._store_root = str(store_root)
         self._path_of = path_of
-        self._fio = FileIO()
+        self._fio = NativeFileIO()
         self._header = memoryview(bytearray(layout.header_nbytes))
         self._index = memoryview(layout.index_bytes)
         self._counter = itertools.count()

@@ -20,53 +20,48 @@ directory where kvstore expects a file, or the reverse. Hence the rules every op
 
 The primitives behind those rules live in :mod:`kvstore.io.entries` (what a name holds, which
 file it is, no-follow directories, identity-checked moves) and :mod:`kvstore.io.rename` (the
-no-replace rename); this module holds the object that calls them, and the loops over it
-(full vectored reads and writes, syncing new directories' parents).
+no-replace rename); this module holds the object that calls them. The loops the reference
+compound operations are made of are :mod:`kvstore.io.vectored` (full vectored reads and writes)
+and :mod:`kvstore.io.hashed_groups` (a hashed transfer's groups).
 
 Tests substitute a subclass that records operations (to replay a power loss) or injects errors
 (EIO, ENOSPC, short transfers) at any call. The default implementation is a thin,
 allocation-free layer over ``os``; ``pwritev``/``preadv`` release the GIL.
 
-Three compound operations do one block file's whole protocol: :meth:`FileIO.write_new`,
-:meth:`FileIO.read_regular`, :meth:`FileIO.sync_and_rename`. Their bodies here, composed of
-the primitives above, are the reference; the plain :class:`FileIO` (never a subclass, whose
-overrides must see every step) runs them as one GIL-free call of the C extension
-``kvstore._fileproto`` when it is built (:mod:`kvstore.io.fileproto`): the same system calls,
-flags and errors, a fraction of the Python cost per small block.
+Compound operations do one block file's whole protocol (:meth:`FileIO.write_new`,
+:meth:`FileIO.read_regular`, :meth:`FileIO.sync_and_rename`, their hashed forms, the batched
+existence probe and the piece batches). Their bodies here, composed of the primitives above
+and nothing else, are the reference. :class:`kvstore.io.native_fileio.NativeFileIO` overrides
+them with one GIL-free call each of the C extension ``kvstore._fileproto``
+(:mod:`kvstore.io.fileproto`): the same system calls, flags and errors, a fraction of the
+Python cost per small block; it is the default (``DEFAULT_FILEIO``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import operator
 import os
 import stat
-import sys
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
-
-import numpy as np
+from typing import Any
 
 from kvstore.callargs import snapshot
-from kvstore.checksum import XXH3_64, chunk_sums, native_xxh3_capsule
 from kvstore.errors import CorruptBlockError, EntryKindError
 from kvstore.io import piece_batch
 from kvstore.io.callcheck import (
     check_new_file,
     check_paths,
     check_read,
-    check_sums_apart,
     check_sync_and_rename,
-    check_uint64_sums,
 )
 from kvstore.io.entries import FileId, describe_kind, file_id, not_regular, open_dir_nofollow
-from kvstore.io.fileproto import NativeFileProto, ReadOutcome, native_fileproto
+from kvstore.io.hashed_groups import hash_parts, hashed_groups, plain_hashing
 from kvstore.io.rename import rename_noreplace, rename_noreplace_at
 from kvstore.io.types import Hashing, PieceBlock, PiecePlan, Segment
-from kvstore.io.vectored import coalesce, read_fully, write_fully, write_runs
+from kvstore.io.vectored import check_size, coalesce, read_run, write_fully, write_runs
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 # Every open of a store file: never blocks (FIFO), never follows a final symbolic link.
@@ -99,15 +94,9 @@ def filesystem_type(path: str | os.PathLike[str]) -> str:
 
 
 class FileIO:
-    """File operations on absolute paths and raw descriptors. Subclass to record or inject."""
-
-    # Whether the compound operations may run as one native call: only for FileIO itself
-    # (decided per class, once); a subclass's overrides must see every step.
-    _native_allowed: ClassVar[bool] = True
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._native_allowed = False
+    """File operations on absolute paths and raw descriptors, and the Python reference of the
+    compound operations, built only on them. Subclass to record or inject: every step of a
+    compound operation goes through the primitives a subclass overrides."""
 
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
         """``os.open`` with ``O_NOFOLLOW`` (a symlink planted inside the store is never
@@ -123,7 +112,7 @@ class FileIO:
         try:
             fd = self.open(path, flags)
         except OSError as exc:
-            refused = _refused_open(path, exc)
+            refused = refused_open(path, exc)
             if refused is exc:
                 raise
             raise refused from None
@@ -235,20 +224,14 @@ class FileIO:
     def exists_many(self, paths: Sequence[str]) -> list[bool | OSError]:
         """:meth:`exists` of each path: True, False, or the OSError its probe raised (an
         :class:`~kvstore.errors.EntryKindError` for a name held by anything but a regular
-        file). The plain FileIO probes the whole batch in one native call without the GIL
-        and asks :meth:`exists` again, for the words, only about a name that is neither."""
+        file). :class:`~kvstore.io.native_fileio.NativeFileIO` probes the whole batch in one
+        native call without the GIL."""
         names = snapshot(paths, "exists_many: expected a sequence of paths")
-        native = native_fileproto() if self._native_allowed else None
-        if native is None:
-            check_paths(names)  # what the native call refuses, refused alike
-            return [self._exists_or_error(p) for p in names]
-        codes = native.exists_many(names)
-        return [
-            code == 1 if code >= 0 else self._exists_or_error(p)
-            for p, code in zip(names, codes, strict=True)
-        ]
+        check_paths(names)  # what the native call refuses, refused alike
+        return [self._exists_or_error(p) for p in names]
 
     def _exists_or_error(self, path: str) -> bool | OSError:
+        """:meth:`exists`, or the OSError it raised."""
         try:
             return self.exists(path)
         except OSError as exc:
@@ -306,8 +289,6 @@ class FileIO:
         caller to remove.
         """
         stop = len(segments) if buffered_from is None else buffered_from
-        if self._native_allowed and (native := native_fileproto()) is not None:
-            return native.write_new(path, flags, mode, segments, stop, file_nbytes)
         checked, flags, mode = check_new_file(path, flags, mode, segments, stop, file_nbytes)
         fd = self.open(path, flags, mode)
         try:
@@ -318,18 +299,6 @@ class FileIO:
             self.close(fd)
             raise
         return fd
-
-    def _native_hashing(self, hashing: Hashing) -> tuple[NativeFileProto, object] | None:
-        """The native module and the XXH3 capsule when a hashed call may run natively: the
-        plain FileIO, xxh3 into native uint64 sums, both extensions bound; else None (the
-        Python reference runs)."""
-        if not self._native_allowed or hashing.algo != XXH3_64:
-            return None
-        if hashing.sums.dtype != np.uint64:
-            return None
-        native = native_fileproto()
-        xxh3 = native_xxh3_capsule() if native is not None else None
-        return None if native is None or xxh3 is None else (native, xxh3)
 
     def write_new_hashed(  # noqa: PLR0913 - write_new's arguments and the checksums' plan
         self,
@@ -355,18 +324,12 @@ class FileIO:
         """
         stop = len(segments) if buffered_from is None else buffered_from
         h = hashing
-        if (bound := self._native_hashing(h)) is not None:
-            native, xxh3 = bound
-            return native.write_new_hashed(
-                path, flags, mode, segments, stop, file_nbytes,
-                h.first, h.last, h.chunk_nbytes, h.group_nbytes, h.sums, xxh3,
-            )  # fmt: skip
         geometry = (h.first, h.last, h.chunk_nbytes, h.group_nbytes)
         checked, flags, mode = check_new_file(
             path, flags, mode, segments, stop, file_nbytes, geometry
         )
-        h = _plain_hashing(h)
-        groups = _hashed_groups(checked, h)
+        h = plain_hashing(h)
+        groups = hashed_groups(checked, h)
         if flags & O_DIRECT and h.last > stop and h.last > h.first:
             raise ValueError(
                 f"write_new_hashed: expected the hashed segments [{h.first}, {h.last}) before "
@@ -376,7 +339,7 @@ class FileIO:
         try:
             end = done = 0
             for offset, parts in groups:
-                done = _hash_parts(h, parts, done)
+                done = hash_parts(h, parts, done)
                 end = max(end, offset + write_fully(self, fd, parts, offset))
             end = write_runs(self, fd, flags, checked, 0, h.first, stop, end)
             end = write_runs(self, fd, flags, checked, h.last, len(checked), stop, end)
@@ -407,17 +370,6 @@ class FileIO:
         is older than ``touch_if_older_than_ns`` gets now as its mtime after the read (best
         effort: a read-only mount keeps its times).
         """
-        if self._native_allowed and (native := native_fileproto()) is not None:
-            try:
-                outcome = native.read_regular(
-                    path, flags, segments, file_nbytes, allow_trailer, touch_if_older_than_ns
-                )
-            except OSError as exc:
-                refused = _refused_open(path, exc)
-                if refused is exc:
-                    raise
-                raise refused from None
-            return _native_read(path, outcome, file_nbytes, allow_trailer)
         checked, flags = check_read(
             path, flags, segments, file_nbytes, touch_if_older_than_ns, (), allow_trailer
         )
@@ -473,25 +425,12 @@ class FileIO:
         the header it read) - this only computes them. A short read stops the read (values
         after it are not written) and raises what :meth:`read_regular` raises."""
         h = hashing
-        if (bound := self._native_hashing(h)) is not None:
-            native, xxh3 = bound
-            try:
-                outcome = native.read_regular_hashed(
-                    path, flags, segments, file_nbytes, touch_if_older_than_ns,
-                    h.first, h.last, h.chunk_nbytes, h.group_nbytes, h.sums, xxh3,
-                )  # fmt: skip
-            except OSError as exc:
-                refused = _refused_open(path, exc)
-                if refused is exc:
-                    raise
-                raise refused from None
-            return _native_read(path, outcome, file_nbytes, False)
         geometry = (h.first, h.last, h.chunk_nbytes, h.group_nbytes)
         checked, flags = check_read(
             path, flags, segments, file_nbytes, touch_if_older_than_ns, geometry
         )
-        h = _plain_hashing(h)
-        groups = _hashed_groups(checked, h)
+        h = plain_hashing(h)
+        groups = hashed_groups(checked, h)
 
         def read(fd: int) -> None:
             for offset, buffers in coalesce(checked[: h.first]):
@@ -499,7 +438,7 @@ class FileIO:
             done = 0
             for offset, parts in groups:
                 read_run(self, fd, parts, offset)
-                done = _hash_parts(h, parts, done)
+                done = hash_parts(h, parts, done)
             for offset, buffers in coalesce(checked[h.last :]):
                 read_run(self, fd, buffers, offset)
 
@@ -511,14 +450,7 @@ class FileIO:
         """Publish a written temporary file: ``fdatasync`` it on ``fd`` (None: not synced,
         a store without durability), then :meth:`rename` it to ``final``, never replacing a
         name (FileExistsError, ``filename2`` = ``final``). ``fd`` stays open."""
-        if fd is not None and fd < 0:  # the native call's -1 means "no sync": never a caller's
-            raise ValueError(
-                f"sync_and_rename: expected a descriptor >= 0, or None for no sync, got {fd}"
-            )
-        if self._native_allowed and (native := native_fileproto()) is not None:
-            if not native.sync_and_rename(-1 if fd is None else fd, tmp, final):
-                self.rename(tmp, final)  # no renameat2 here: rename_noreplace's fallbacks
-            return
+        check_sync_fd(fd)
         check_sync_and_rename(fd, tmp, final)  # names first: nothing synced for a bad name
         if fd is not None:
             self.fdatasync(operator.index(fd))
@@ -526,23 +458,9 @@ class FileIO:
 
     @property
     def native_piece_batches(self) -> bool:
-        """Whether :meth:`publish_pieces` runs here: the plain FileIO with both extensions
-        bound, on a little-endian machine (the header's slots are little-endian uint64)."""
-        return (
-            self._native_allowed
-            and sys.byteorder == "little"
-            and native_fileproto() is not None
-            and native_xxh3_capsule() is not None
-        )
-
-    def _piece_batch_binding(self) -> tuple[NativeFileProto, object] | None:
-        """The extension and the xxh3 capsule a piece batch runs with natively; None where
-        :attr:`native_piece_batches` is false (the Python reference runs)."""
-        native = native_fileproto()
-        xxh3 = native_xxh3_capsule()
-        if not self.native_piece_batches or native is None or xxh3 is None:
-            return None
-        return native, xxh3
+        """Whether :meth:`publish_pieces` and :meth:`read_pieces` run as one native call per
+        batch (:class:`~kvstore.io.native_fileio.NativeFileIO`); here they never do."""
+        return False
 
     def publish_pieces(
         self, blocks: Sequence[PieceBlock], flags: int, mode: int, plan: PiecePlan
@@ -563,25 +481,7 @@ class FileIO:
         with ``tmp`` removed: the caller takes that block through those methods one by one
         (they are the reference, and report the failure in their words). No sync: for
         stores without durability."""
-        bound = self._piece_batch_binding()
-        if bound is None:
-            return piece_batch.publish_pieces(self, blocks, flags, mode, plan)
-        native, xxh3 = bound
-        return native.publish_pieces(
-            blocks,
-            flags,
-            mode,
-            plan.file_nbytes,
-            plan.piece_nbytes,
-            plan.starts,
-            plan.slot_of,
-            plan.chunk_nbytes,
-            plan.slots_offset,
-            plan.index,
-            plan.index_offset,
-            plan.alignment,
-            xxh3,
-        )
+        return piece_batch.publish_pieces(self, blocks, flags, mode, plan)
 
     def read_pieces(
         self,
@@ -606,33 +506,13 @@ class FileIO:
         ``direct``: open with O_DIRECT each block whose header and pieces are aligned to
         ``plan.alignment`` in address and length (the others buffered)."""
         flags = os.O_RDONLY | (O_DIRECT if direct else 0)
-        bound = self._piece_batch_binding()
-        if bound is None:
-            return piece_batch.read_pieces(
-                self, blocks, flags, header_nbytes, plan, touch_if_older_than_ns
-            )
-        native, xxh3 = bound
-        return native.read_pieces(
-            blocks,
-            flags,
-            plan.file_nbytes,
-            header_nbytes,
-            plan.piece_nbytes,
-            plan.starts,
-            plan.slot_of,
-            plan.chunk_nbytes,
-            plan.slots_offset,
-            touch_if_older_than_ns,
-            plan.alignment,
-            xxh3,
+        return piece_batch.read_pieces(
+            self, blocks, flags, header_nbytes, plan, touch_if_older_than_ns
         )
 
     def drop_cache(self, fd: int) -> None:
         """Ask the kernel to drop this file's clean cached pages (benchmarks' cold reads)."""
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-DEFAULT_FILEIO = FileIO()
 
 
 def sync_parents(fio: FileIO, created: Sequence[str]) -> None:
@@ -659,7 +539,16 @@ def drop_tree_cache(directory: str | os.PathLike[str]) -> None:
                 os.close(fd)
 
 
-def _refused_open(path: str, exc: OSError) -> OSError:
+def check_sync_fd(fd: int | None) -> None:
+    """A :meth:`FileIO.sync_and_rename` descriptor: >= 0, or None for no sync (the native
+    call's -1 means "no sync", never a caller's)."""
+    if fd is not None and fd < 0:
+        raise ValueError(
+            f"sync_and_rename: expected a descriptor >= 0, or None for no sync, got {fd}"
+        )
+
+
+def refused_open(path: str, exc: OSError) -> OSError:
     """What an open of ``path`` that failed with ``exc`` raises: ELOOP (O_NOFOLLOW met a
     symbolic link) and ENXIO (a socket, or a device without a driver) become
     :class:`~kvstore.errors.EntryKindError` naming what the name holds - the ``lstat`` costs
@@ -673,130 +562,3 @@ def _refused_open(path: str, exc: OSError) -> OSError:
     if stat.S_ISREG(mode):
         return exc
     return not_regular(path, mode)
-
-
-def _native_read(path: str, outcome: ReadOutcome, file_nbytes: int, allow_trailer: bool) -> FileId:
-    """The identity of the file a native read read, or what the Python reference raises for
-    the same outcome: not a regular file, the wrong size, a short run."""
-    mode, size, dev, ino, _mtime_ns, short = outcome
-    if not stat.S_ISREG(mode):
-        raise not_regular(path, mode)
-    try:
-        check_size(size, file_nbytes, allow_trailer)
-        _check_run(short)
-    except CorruptBlockError as exc:
-        exc.file_id = (dev, ino)
-        raise
-    return dev, ino
-
-
-# Most pieces of segments in one group of a hashed transfer: the bound kvstore/_fileproto.c's
-# GROUP_PARTS keeps, so both cut a run the same way (the same short-read words).
-_GROUP_PARTS = 64
-
-
-def _hashed_groups(
-    segments: Sequence[tuple[int, memoryview]], h: Hashing
-) -> list[tuple[int, list[memoryview]]]:
-    """The groups of a hashed transfer, as kvstore/_fileproto.c's ``hashed_transfer`` cuts
-    them: ``(file offset, pieces)``, each a file-contiguous run of whole chunks of at most
-    ``h.group_nbytes`` (rounded down to whole chunks, at least one) in at most
-    :data:`_GROUP_PARTS` pieces,
-    of segments ``[h.first, h.last)``. Raises the extension's ValueError, with its words, for
-    bad geometry."""
-    n = len(segments)
-    if not 0 <= h.first <= h.last <= n:
-        raise ValueError(
-            f"file protocol: expected hashed segments 0 <= first <= last <= {n}, got "
-            f"[{h.first}, {h.last})"
-        )
-    size = h.chunk_nbytes
-    if size <= 0 or h.group_nbytes <= 0:
-        raise ValueError(
-            "file protocol: expected chunk_nbytes > 0 and group_nbytes > 0, got "
-            f"{size} and {h.group_nbytes}"
-        )
-    views = [data for _, data in segments[h.first : h.last]]
-    for i, view in enumerate(views, h.first):
-        if len(view) % size:
-            raise ValueError(
-                f"file protocol: expected hashed segment {i} to hold whole chunks of {size} "
-                f"bytes, got {len(view)} bytes"
-            )
-    check_uint64_sums(h.sums, sum(len(v) for v in views) // size)
-    check_sums_apart(h.sums, views, h.first)
-    # Whole chunks, at least one: a chunk larger than the group is a group of its own.
-    group = size if h.group_nbytes < size else h.group_nbytes - h.group_nbytes % size
-    offsets = [offset for offset, _ in segments[h.first : h.last]]
-    groups: list[tuple[int, list[memoryview]]] = []
-    i, consumed = 0, 0  # the segment being cut, and its bytes already in a group
-    while i < len(views):
-        if len(views[i]) == consumed:
-            i, consumed = i + 1, 0
-            continue
-        start, want = offsets[i] + consumed, 0
-        parts: list[memoryview] = []
-        while i < len(views) and len(parts) < _GROUP_PARTS:
-            left = len(views[i]) - consumed
-            if left == 0:  # this segment is done: does the next one continue the group?
-                if i + 1 < len(views) and offsets[i + 1] == start + want:
-                    i, consumed = i + 1, 0
-                    continue
-                break
-            take = min(left, group - want)
-            if take == 0:
-                break
-            parts.append(views[i][consumed : consumed + take])
-            consumed += take
-            want += take
-        groups.append((start, parts))
-    return groups
-
-
-def _plain_hashing(h: Hashing) -> Hashing:
-    """``h`` with its geometry as Python ints (numpy integers are taken, as the C takes them,
-    but mixed numpy types would turn the reference's slice arithmetic into floats)."""
-    return dataclasses.replace(
-        h,
-        first=operator.index(h.first),
-        last=operator.index(h.last),
-        chunk_nbytes=operator.index(h.chunk_nbytes),
-        group_nbytes=operator.index(h.group_nbytes),
-    )
-
-
-def _hash_parts(h: Hashing, parts: Sequence[memoryview], done: int) -> int:
-    """The chunks of ``parts`` checksummed into ``h.sums`` from value ``done`` on; returns
-    the values written so far."""
-    for part in parts:
-        count = len(part) // h.chunk_nbytes
-        flat = h.sums.reshape(-1)  # any C-contiguous shape, as the C takes it
-        chunk_sums(h.algo, part, h.chunk_nbytes, count, flat[done : done + count])
-        done += count
-    return done
-
-
-def check_size(size: int, file_nbytes: int, allow_trailer: bool) -> None:
-    """A file of ``size`` bytes where ``file_nbytes`` are expected is :class:`CorruptBlockError`
-    (``allow_trailer``: longer is fine)."""
-    if size != file_nbytes and not (allow_trailer and size > file_nbytes):
-        raise CorruptBlockError(f"file size: expected {file_nbytes} bytes, got {size}")
-
-
-def read_run(fio: FileIO, fd: int, buffers: Sequence[Any], offset: int) -> None:
-    """Fill ``buffers`` from ``offset`` of ``fd``; a short read is :class:`CorruptBlockError`."""
-    want = sum(map(len, buffers))
-    got = read_fully(fio, fd, buffers, offset)
-    if got != want:
-        raise CorruptBlockError(_short_read(offset, want, got))
-
-
-def _short_read(offset: int, want: int, got: int) -> str:
-    return f"short read at {offset}: expected {want}, got {got}"
-
-
-def _check_run(short: tuple[int, int, int] | None) -> None:
-    """The native read's short run ``(offset, expected, got)``, if any, as
-    :func:`read_run` raises it."""
-    if short is not None:
-        raise CorruptBlockError(_short_read(*short))

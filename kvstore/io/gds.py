@@ -43,8 +43,9 @@ from kvstore.io.cufile import CuFileHandle, CuFiles, IOFuture
 from kvstore.io.device import DeviceOps
 from kvstore.io.engine import AnySegment, Data
 from kvstore.io.entries import FileId, corrupt_file_is, file_id
-from kvstore.io.fileio import DEFAULT_FILEIO, FileIO
+from kvstore.io.fileio import FileIO
 from kvstore.io.host import HostEngine
+from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.io.newfile import plan_new_file
 from kvstore.io.staging import DeviceStaging
 from kvstore.io.types import Segment

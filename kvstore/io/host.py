@@ -48,12 +48,12 @@ from kvstore.io.buffers import ThreadStaging, aligned_buffer, is_aligned
 from kvstore.io.callcheck import check_segments
 from kvstore.io.entries import FileId
 from kvstore.io.fileio import (
-    DEFAULT_FILEIO,
     O_DIRECT,
     FileIO,
     filesystem_type,
 )
 from kvstore.io.fileproto import native_fileproto
+from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.io.newfile import NewFilePlan, plan_new_file
 from kvstore.io.types import DirectIOProbe, Hashing, Segment
 from kvstore.io.vectored import coalesce, write_fully
@@ -388,7 +388,7 @@ class HostEngine:
         direct: bool,
     ) -> FileId:
         flags = os.O_RDONLY | (O_DIRECT if direct else 0)
-        try:  # the whole protocol in one call (one native call for the plain FileIO)
+        try:  # the whole protocol in one call (one native call for NativeFileIO)
             return self.fio.read_regular(
                 path, flags, segments, file_nbytes, allow_trailer, touch_if_older_than_ns
             )

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from kvstore.config import StoreConfig
 from kvstore.io.device import DeviceOps
-from kvstore.io.fileio import DEFAULT_FILEIO, FileIO
+from kvstore.io.fileio import FileIO
 from kvstore.io.host import HostEngine
+from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.io.staging import PinnedStaging
 
 

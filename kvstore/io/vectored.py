@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kvstore.errors import CorruptBlockError
 from kvstore.io.callcheck import IOV_MAX
 from kvstore.io.types import Segment
 
@@ -131,3 +132,29 @@ def write_runs(  # noqa: PLR0913 - the file, its flags, which segments, where di
         for offset, buffers in coalesce(segments[max(lo, buffered_from) : hi]):
             end = max(end, offset + write_fully(fio, fd, buffers, offset))
     return end
+
+
+def check_size(size: int, file_nbytes: int, allow_trailer: bool) -> None:
+    """A file of ``size`` bytes where ``file_nbytes`` are expected is :class:`CorruptBlockError`
+    (``allow_trailer``: longer is fine)."""
+    if size != file_nbytes and not (allow_trailer and size > file_nbytes):
+        raise CorruptBlockError(f"file size: expected {file_nbytes} bytes, got {size}")
+
+
+def read_run(fio: VectoredFile, fd: int, buffers: Sequence[Any], offset: int) -> None:
+    """Fill ``buffers`` from ``offset`` of ``fd``; a short read is :class:`CorruptBlockError`."""
+    want = sum(map(len, buffers))
+    got = read_fully(fio, fd, buffers, offset)
+    if got != want:
+        raise CorruptBlockError(_short_read(offset, want, got))
+
+
+def _short_read(offset: int, want: int, got: int) -> str:
+    return f"short read at {offset}: expected {want}, got {got}"
+
+
+def check_run(short: tuple[int, int, int] | None) -> None:
+    """The native read's short run ``(offset, expected, got)``, if any, as
+    :func:`read_run` raises it."""
+    if short is not None:
+        raise CorruptBlockError(_short_read(*short))

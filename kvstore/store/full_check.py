@@ -33,7 +33,7 @@ import numpy as np
 from kvstore.checksum import Checksum, checksum_function
 from kvstore.errors import CorruptBlockError, EntryKindError, StoreFormatError
 from kvstore.io.entries import FileId, describe_os_error, file_id
-from kvstore.io.fileio import DEFAULT_FILEIO
+from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.io.vectored import read_fully
 from kvstore.keys import hash_coords
 from kvstore.store import format as fmt

@@ -155,7 +155,7 @@ class _Probe:
     def serial(self, hashes: Sequence[bytes]) -> list[bool]:
         """Probes of (checked) ``hashes`` on this thread, while no other thread probes: one
         :meth:`FileIO.exists_many <kvstore.io.fileio.FileIO.exists_many>` call (for the
-        plain FileIO, native and without the GIL: vLLM's scheduler thread runs meanwhile)."""
+        NativeFileIO, native and without the GIL: vLLM's scheduler thread runs meanwhile)."""
         found = [False] * len(hashes)
         paths: list[str] = []
         where: list[int] = []  # the position in hashes of each of paths

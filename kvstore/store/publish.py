@@ -381,7 +381,7 @@ class Publisher(BlockFiles):
     def _publish(self, staged: Written | BaseException | None) -> Published:
         """Second pass of :meth:`write_blocks`: sync a written temporary file on its open
         descriptor, then give it its name (never replacing one): FileIO.sync_and_rename, one
-        native call for the plain FileIO."""
+        native call for NativeFileIO."""
         if isinstance(staged, BaseException):
             raise staged  # the first pass failed: reported as this block's result
         if staged is None:

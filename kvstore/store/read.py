@@ -455,7 +455,7 @@ class Reader:
         once the block is larger than the CPU cache (a 256-token block is 16-80 MiB): the
         checksums then cost as much as the copy. Here each piece of about
         :data:`_PIECE_NBYTES` (whole chunks) is checksummed right after its ``preadv``, while
-        it is in the cache, inside the engine's read (one native call for the plain FileIO:
+        it is in the cache, inside the engine's read (one native call for NativeFileIO:
         :meth:`HostEngine.read_file_hashed`), with the array's algorithm. Then the header is
         checked, before any chunk (a bad header fails as it always did), and the sums are
         compared with its slots; a header naming another algorithm gets its chunks

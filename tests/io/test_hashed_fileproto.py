@@ -20,6 +20,7 @@ from kvstore.errors import CorruptBlockError, KvstoreError
 from kvstore.io.buffers import aligned_buffer
 from kvstore.io.fileio import O_DIRECT, FileIO
 from kvstore.io.host import probe_direct_io
+from kvstore.io.native_fileio import NativeFileIO
 from kvstore.io.types import Hashing
 from tests.io.test_native_fileproto import KINDS, NEW, Reference, _hostile, _open_fds
 
@@ -28,14 +29,14 @@ CHUNK = 1024
 
 @pytest.fixture
 def native() -> FileIO:
-    """The plain FileIO running the native hashed calls (skips where they are unavailable)."""
+    """NativeFileIO running the native hashed calls (skips where they are unavailable)."""
     from kvstore.checksum import native_xxh3_capsule  # noqa: PLC0415 - binds on first use
     from kvstore.io.fileproto import native_fileproto_unavailable  # noqa: PLC0415
 
     why = native_fileproto_unavailable()
     if why is not None or native_xxh3_capsule() is None:
         pytest.skip(f"native hashed transfers not active: {why or 'no native xxh3'}")
-    return FileIO()
+    return NativeFileIO()
 
 
 def _noise(n: int, seed: int) -> np.ndarray:
@@ -301,13 +302,15 @@ def test_a_short_group_is_a_corrupt_block_naming_the_group(tmp_path: Path) -> No
 
 
 def test_other_algorithms_take_the_reference(tmp_path: Path) -> None:
-    """crc32c (no native hash): the plain FileIO computes the sums with the reference's calls."""
+    """crc32c (no native hash): NativeFileIO computes the sums with the reference's calls."""
     segments, file_nbytes, joined = _layout("pieces")
     count = len(joined) // CHUNK
     out = np.zeros(count, dtype=np.uint64)
     hashing = Hashing(1, len(segments) - 1, CRC32C, CHUNK, 2 * CHUNK, out)
     os.close(
-        FileIO().write_new_hashed(str(tmp_path / "f"), NEW, 0o600, segments, file_nbytes, hashing)
+        NativeFileIO().write_new_hashed(
+            str(tmp_path / "f"), NEW, 0o600, segments, file_nbytes, hashing
+        )
     )
     assert out.tolist() == chunk_sums(CRC32C, joined.data, CHUNK, count).tolist()
 

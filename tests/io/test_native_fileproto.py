@@ -1,6 +1,6 @@
 """The native file protocol (kvstore/_fileproto.c through FileIO's compound operations): the
 same files, results, exception types and words as FileIO's Python reference for every kind of
-entry a hostile tree puts at a name, descriptors closed on errors, only the plain FileIO using
+entry a hostile tree puts at a name, descriptors closed on errors, only NativeFileIO using
 it, and the fallback when it is missing."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from kvstore.io import fileproto, host
 from kvstore.io.buffers import aligned_buffer
 from kvstore.io.fileio import O_DIRECT, FileIO
 from kvstore.io.host import HostEngine, probe_direct_io
+from kvstore.io.native_fileio import NativeFileIO
 from kvstore.native import BindingState, native_mode
 
 NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -46,9 +47,9 @@ def _native_required() -> None:
 
 @pytest.fixture
 def native() -> FileIO:
-    """The plain FileIO, which runs the native calls (skips where the extension is missing)."""
+    """NativeFileIO, which runs the native calls (skips where the extension is missing)."""
     _native_required()
-    return FileIO()
+    return NativeFileIO()
 
 
 def _noise(n: int, seed: int = 7) -> bytes:
@@ -372,6 +373,7 @@ _EFBIG_SCRIPT = textwrap.dedent(
     import json, os, resource, signal, sys
     from kvstore.io import fileproto
     from kvstore.io.fileio import FileIO
+    from kvstore.io.native_fileio import NativeFileIO
 
     class Reference(FileIO):
         pass
@@ -380,7 +382,7 @@ _EFBIG_SCRIPT = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
     out = {"native": fileproto.native_fileproto_unavailable()}
     data = memoryview(b"q" * 20000)
-    for fio in (FileIO(), Reference()):
+    for fio in (NativeFileIO(), Reference()):
         path = os.path.join(sys.argv[1], type(fio).__name__)
         before = len(os.listdir("/proc/self/fd"))
         try:
@@ -412,10 +414,10 @@ def test_a_write_past_the_file_size_limit_fails_cleanly(tmp_path: Path) -> None:
     )
     out = json.loads(run.stdout)
     assert out["native"] is None
-    assert out["FileIO"] == out["Reference"]
-    assert out["FileIO"]["result"][:2] == ["OSError", errno.EFBIG]
-    assert out["FileIO"]["fds_leaked"] == 0
-    assert out["FileIO"]["size"] == 8192  # the prefix the short write put down
+    assert out["NativeFileIO"] == out["Reference"]
+    assert out["NativeFileIO"]["result"][:2] == ["OSError", errno.EFBIG]
+    assert out["NativeFileIO"]["fds_leaked"] == 0
+    assert out["NativeFileIO"]["size"] == 8192  # the prefix the short write put down
 
 
 # -- binding and fallback ------------------------------------------------------------------------
@@ -455,7 +457,7 @@ def test_missing_extension_falls_back_with_one_warning(
         return real_import(name, package)
 
     monkeypatch.setattr(importlib, "import_module", no_extension)
-    fio = FileIO()
+    fio = NativeFileIO()
     with caplog.at_level(logging.WARNING, logger="kvstore.native"):
         for i in range(3):
             path = str(tmp_path / f"f{i}")

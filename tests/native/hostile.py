@@ -17,6 +17,7 @@ import xxhash
 from kvstore.checksum import native_xxh3_capsule
 from kvstore.io.fileio import FileIO
 from kvstore.io.fileproto import native_fileproto
+from kvstore.io.native_fileio import NativeFileIO
 from kvstore.io.types import PiecePlan
 from tests.native.isolated import Outcome, assert_clean, run_isolated
 
@@ -43,7 +44,7 @@ def _fio(impl: str) -> FileIO:
     """The FileIO of ``impl``: the plain one (native; skips where unbound) or the reference."""
     if impl == "native":
         _require_native()
-        return FileIO()
+        return NativeFileIO()
     return Reference()
 
 

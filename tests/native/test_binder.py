@@ -117,9 +117,9 @@ def test_require_raises_at_first_use(tmp_path: Path) -> None:
     """Not only the report: the store's first native call raises NativeRequiredError."""
     code = (
         "from kvstore.errors import NativeRequiredError\n"
-        "from kvstore.io.fileio import FileIO\n"
+        "from kvstore.io.native_fileio import NativeFileIO\n"
         "try:\n"
-        "    FileIO().exists_many(['/nonexistent'])\n"
+        "    NativeFileIO().exists_many(['/nonexistent'])\n"
         "except NativeRequiredError as exc:\n"
         "    print('refused:', exc)\n"
     )

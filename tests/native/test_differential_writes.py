@@ -330,6 +330,6 @@ def test_write_new_hashed_matches_its_reference(case: dict[str, Any]) -> None:
     the checksums: the same values in ``sums`` (none past what was hashed), the same refusal
     of a hashed range out of bounds or of partial chunks, of chunk or group sizes that are
     not positive, of sums misaligned, read-only, strided, too short or of another type (or
-    the reference on both sides where the plain FileIO does not go native: int64 or
+    the reference on both sides where NativeFileIO does not go native: int64 or
     big-endian sums, another algorithm)."""
     _run_write(case)

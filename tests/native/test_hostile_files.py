@@ -19,6 +19,7 @@ from kvstore import checksum
 from kvstore.checksum import XXH3_64, native_xxh3_capsule
 from kvstore.config import StoreConfig
 from kvstore.io.fileio import FileIO
+from kvstore.io.native_fileio import NativeFileIO
 from kvstore.io.types import PUBLISHED, VERIFIED, Hashing, PiecePlan
 from kvstore.store.page_store import KVStore
 from kvstore.store.types import (
@@ -155,7 +156,7 @@ VIAS = ["module", "native", "reference"]
 
 
 def _via_publish(via: str, blocks: list[Any], plan: PiecePlan) -> Callable[[], object]:
-    """publish_pieces of ``blocks`` through the extension module itself, the plain FileIO or
+    """publish_pieces of ``blocks`` through the extension module itself, NativeFileIO or
     the reference."""
     if via == "module":
         native = _native_module()
@@ -170,7 +171,7 @@ def _via_publish(via: str, blocks: list[Any], plan: PiecePlan) -> Callable[[], o
 
 
 def _via_read(via: str, blocks: list[Any], plan: PiecePlan) -> Callable[[], list[int]]:
-    """read_pieces of ``blocks`` through the extension module, the plain FileIO or the
+    """read_pieces of ``blocks`` through the extension module, NativeFileIO or the
     reference."""
     if via == "module":
         native = _native_module()
@@ -457,7 +458,7 @@ def _open_group(root: Path, impl: str) -> tuple[KVStore, Any]:
     """A store on ``root`` with ``impl``'s FileIO (opened in the child: a store's I/O
     threads do not survive a fork) and group 0 of the small identity (dense, 6 chunks)."""
     config = StoreConfig(root=root).replace(durability="none", io_threads=2)
-    store = KVStore(config, fio=FileIO() if impl == "native" else Reference())
+    store = KVStore(config, fio=NativeFileIO() if impl == "native" else Reference())
     return store, store.namespace(make_small_identity()).group(0)
 
 

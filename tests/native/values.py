@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from kvstore.io.fileio import FileIO
+from kvstore.io.native_fileio import NativeFileIO
 
 DEFAULT_EXAMPLES = 60  # two forks per example: 35-55 s for the file on 2 cores
 EXAMPLES = int(os.environ.get("KVTEST_DIFF_EXAMPLES") or DEFAULT_EXAMPLES)
@@ -87,7 +88,7 @@ class RaisingBool:
 
 
 def _fio(side: str) -> FileIO:
-    return FileIO() if side == "native" else Reference()
+    return NativeFileIO() if side == "native" else Reference()
 
 
 # -- hostile values ----------------------------------------------------------------------------

@@ -38,7 +38,8 @@ import numpy as np
 
 from kvstore.config import StoreConfig
 from kvstore.identity import Identity
-from kvstore.io.fileio import DEFAULT_FILEIO, FileIO
+from kvstore.io.fileio import FileIO
+from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.store.group_store import GroupStore
 from kvstore.store.page_store import KVStore
 from kvstore.store.types import BlockRead, BlockWrite, ChunkWrite, ReadStatus

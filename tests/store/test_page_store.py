@@ -16,7 +16,8 @@ import zarr
 
 from kvstore.config import StoreConfig
 from kvstore.errors import IdentityMismatchError, StoreFormatError
-from kvstore.io.fileio import DEFAULT_FILEIO, FileIO
+from kvstore.io.fileio import FileIO
+from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.store import metadata
 from kvstore.store.page_store import KVStore
 from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus

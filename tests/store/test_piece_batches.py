@@ -1,5 +1,5 @@
 """Batches of whole blocks given as pieces (the vLLM tier's rows), written and named or read
-and verified in one native call per I/O thread (FileIO.publish_pieces / read_pieces, used by
+and verified in one native call per I/O thread (NativeFileIO.publish_pieces / read_pieces, used by
 Publisher._publish_pieces and Reader._read_pieces): the same files, results and quarantine as
 the block-by-block path, which every block the batch cannot finish goes through."""
 
@@ -17,6 +17,7 @@ from kvstore import Identity
 from kvstore.io.buffers import aligned_buffer
 from kvstore.io.fileio import FileIO
 from kvstore.io.fileproto import native_fileproto
+from kvstore.io.native_fileio import NativeFileIO
 from kvstore.store.format import ShardLayout
 from kvstore.store.group_store import GroupStore
 from kvstore.store.pieces import PlanCache, block_pieces, piece_plan
@@ -49,7 +50,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 class Reference(FileIO):
-    """A FileIO subclass: never the native batches (the block-by-block path)."""
+    """The reference FileIO: never the native batches (the block-by-block path)."""
 
 
 def _group(make_store: StoreFactory, root: Path, **opts: Any) -> GroupStore:
@@ -68,19 +69,19 @@ def _identity() -> Identity:
 def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts of the batch calls (blocks handed to each)."""
     counts = {"publish": 0, "read": 0, "read direct": 0}
-    publish, read = FileIO.publish_pieces, FileIO.read_pieces
+    publish, read = NativeFileIO.publish_pieces, NativeFileIO.read_pieces
 
-    def publish_spy(self: FileIO, blocks: Any, *args: Any) -> Any:
+    def publish_spy(self: NativeFileIO, blocks: Any, *args: Any) -> Any:
         counts["publish"] += len(blocks)
         return publish(self, blocks, *args)
 
-    def read_spy(self: FileIO, blocks: Any, *args: Any, **kwargs: Any) -> Any:
+    def read_spy(self: NativeFileIO, blocks: Any, *args: Any, **kwargs: Any) -> Any:
         counts["read"] += len(blocks)
         counts["read direct"] += len(blocks) if kwargs.get("direct") else 0
         return read(self, blocks, *args, **kwargs)
 
-    monkeypatch.setattr(FileIO, "publish_pieces", publish_spy)
-    monkeypatch.setattr(FileIO, "read_pieces", read_spy)
+    monkeypatch.setattr(NativeFileIO, "publish_pieces", publish_spy)
+    monkeypatch.setattr(NativeFileIO, "read_pieces", read_spy)
     return counts
 
 
@@ -145,7 +146,7 @@ def test_pieces_that_do_not_tile_a_span_and_mixed_batches_go_block_by_block(
     assert alone.status is WriteStatus.WRITTEN and calls["publish"] == 1
 
 
-def test_a_durable_store_and_a_filio_subclass_take_the_block_by_block_path(
+def test_a_durable_store_and_the_reference_fileio_take_the_block_by_block_path(
     make_store: StoreFactory, tmp_path: Path, calls: dict[str, int]
 ) -> None:
     class Recording(FileIO):
@@ -249,7 +250,7 @@ def test_a_batch_read_finds_what_the_block_by_block_read_finds(
     assert outcomes["batch"] == outcomes["one"]
 
 
-@pytest.mark.parametrize("fio", [FileIO(), Reference()], ids=["native", "reference"])
+@pytest.mark.parametrize("fio", [NativeFileIO(), Reference()], ids=["native", "reference"])
 def test_the_batch_calls_refuse_bad_plans(tmp_path: Path, fio: FileIO) -> None:
     """Bad geometry is a ValueError before any file is touched, natively and in the
     reference alike: pieces off their places, a slot order other than the one the starts
@@ -316,11 +317,11 @@ def test_a_batch_call_that_raises_leaves_its_blocks_to_the_block_by_block_path(
     canons = [block_bytes(layout, seed) for seed in range(3)]
     hashes = [block_hash(seed, "refused") for seed in range(3)]
 
-    def refuse(self: FileIO, *args: Any) -> list[int]:
+    def refuse(self: NativeFileIO, *args: Any) -> list[int]:
         raise ValueError("refused for the test")
 
-    monkeypatch.setattr(FileIO, "publish_pieces", refuse)
-    monkeypatch.setattr(FileIO, "read_pieces", refuse)
+    monkeypatch.setattr(NativeFileIO, "publish_pieces", refuse)
+    monkeypatch.setattr(NativeFileIO, "read_pieces", refuse)
     views = [_rows(layout, c, "transposed") for c in canons]
     with caplog.at_level("WARNING"):
         results = group.write_blocks([BlockWrite(h, v) for h, v in zip(hashes, views, strict=True)])
