@@ -14,8 +14,12 @@ import pytest
 from kvstore.config import StoreConfig
 from kvstore.identity import Identity
 from kvstore.io.fileio import FileIO
-from kvstore.store import pending, publish, read
+from kvstore.store import pending, publish, quarantine
 from kvstore.store.page_store import KVStore
+from kvstore.store.reads import context as read_context
+from kvstore.store.writes import batch as batch_write
+from kvstore.store.writes import hashed as hashed_write
+from kvstore.store.writes import headers
 from tests.helpers import (
     FROZEN_NS,
     StoreFactory,
@@ -86,6 +90,7 @@ def frozen_time(monkeypatch: pytest.MonkeyPatch) -> int:
         def time_ns() -> int:
             return FROZEN_NS
 
-    for module in (publish, pending, read):  # where blocks get their times
+    # where blocks get their times
+    for module in (publish, pending, headers, hashed_write, batch_write, read_context, quarantine):
         monkeypatch.setattr(module, "time", _Clock)
     return FROZEN_NS

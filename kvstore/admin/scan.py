@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.io.host import PROBE_PREFIX
+from kvstore.io.fileio import PROBE_PREFIX
 from kvstore.store import paths
 from kvstore.store.paths import DOC_TMP_PREFIX, QUARANTINE, REMOVED_PREFIX, TRASH, ZARR_JSON
 from kvstore.store.view import GroupView, NamespaceView, Problem, StoreView

@@ -41,8 +41,23 @@ Contract (:class:`Engine`):
 * ``close()``, ``describe()`` (one line), ``name``, ``config``, ``fio``, ``direct`` (the O_DIRECT
   probe outcome).
 
-Segments hold host memory (``memoryview``). An engine whose ``accepts_device`` is True (the
-GDS engine) also takes contiguous uint8 ``torch.Tensor`` segments: device memory (with the CPU
+Capabilities (:class:`EngineCapabilities`, the engine's ``capabilities``) name what an engine
+does beyond that. The store plans each array's reads and writes from them once, when the array
+opens (:mod:`kvstore.store.plan`), and never asks an engine what type it is:
+
+* ``hashed_io``: ``read_file_hashed`` and ``write_new_file_hashed``, for host segments: a
+  block's chunks checksummed group by group as they move (:class:`~kvstore.io.types.Hashing`),
+  while they are in the CPU cache.
+* ``batches``: ``map_batches(call, items)``: ``call`` over one contiguous part of ``items`` per
+  I/O thread (each part one native batch call), the per-item codes joined in order; a part
+  whose call raises gives -1 for each of its items.
+* ``device_segments``: segments may hold device tensors (below).
+
+The three engines have the host engine's file I/O for host memory, so all three have
+``hashed_io`` and ``batches``; only the GDS engine has ``device_segments``.
+
+Segments hold host memory (``memoryview``). An engine with ``device_segments`` (the GDS
+engine) also takes contiguous uint8 ``torch.Tensor`` segments: device memory (with the CPU
 stand-ins of the tests, CPU tensors play the device). Their bytes must be final when handed
 over: the engine synchronizes the current (default) stream before cuFile reads device memory,
 so work queued on another stream must have been waited on (staging's ``Staged.ready``). Every
@@ -60,7 +75,9 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.io.entries import FileId
 from kvstore.io.fileio import FileIO
-from kvstore.io.types import DirectIOProbe, Segment
+from kvstore.io.types import DirectIOProbe, EngineCapabilities, Hashing, Segment
+
+__all__ = ["AnySegment", "Data", "DeviceEngine", "Engine", "EngineCapabilities", "device_engine"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -76,8 +93,13 @@ class Engine(Protocol):
     config: StoreConfig
     fio: FileIO
     direct: DirectIOProbe
+    capabilities: EngineCapabilities
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R | BaseException]: ...
+
+    def map_batches(
+        self, call: Callable[[Sequence[T]], list[int]], items: Sequence[T]
+    ) -> list[int]: ...
 
     def write_file(
         self,
@@ -90,6 +112,10 @@ class Engine(Protocol):
     ) -> None: ...
 
     def write_new_file(self, path: str, segments: Sequence[Segment], file_nbytes: int) -> int: ...
+
+    def write_new_file_hashed(
+        self, path: str, segments: Sequence[Segment], file_nbytes: int, hashing: Hashing
+    ) -> int: ...
 
     def finish_file(
         self, path: str, file_nbytes: int, segments: Sequence[Segment] = ()
@@ -106,15 +132,24 @@ class Engine(Protocol):
         direct: bool = False,
     ) -> FileId: ...
 
+    def read_file_hashed(  # noqa: PLR0913 - read_file's arguments plus the checksums' plan
+        self,
+        path: str,
+        segments: Sequence[Segment],
+        file_nbytes: int,
+        touch_if_older_than_ns: int,
+        hashing: Hashing,
+        *,
+        direct: bool = False,
+    ) -> FileId: ...
+
     def close(self) -> None: ...
 
     def describe(self) -> str: ...
 
 
 class DeviceEngine(Engine, Protocol):
-    """An engine that also moves device tensors in its segments (``accepts_device``)."""
-
-    accepts_device: bool
+    """An engine that also moves device tensors in its segments (``device_segments``)."""
 
     def write_file(
         self,
@@ -148,6 +183,6 @@ class DeviceEngine(Engine, Protocol):
 
 def device_engine(engine: Engine) -> DeviceEngine | None:
     """``engine`` as a :class:`DeviceEngine` when it takes device segments, else None."""
-    if getattr(engine, "accepts_device", False):
-        return engine  # type: ignore[return-value]  # checked by the flag it declares
+    if engine.capabilities.device_segments:
+        return engine  # type: ignore[return-value]  # checked by the capability it declares
     return None

@@ -64,6 +64,8 @@ from kvstore.io.types import Hashing, PieceBlock, PiecePlan, Segment
 from kvstore.io.vectored import check_size, coalesce, read_run, write_fully, write_runs
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # a whole new block file's open flags
+PROBE_PREFIX = ".kvstore-probe-"  # the O_DIRECT probe file in a store root (crashes leave it)
 # Every open of a store file: never blocks (FIFO), never follows a final symbolic link.
 _OPEN_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 

@@ -1,7 +1,8 @@
 """GPUDirect Storage engine: device tensors to block files through cuFile (kvikio).
 
-Segments may hold uint8 device tensors as well as host memory (``accepts_device``). Host-only
-calls go to the host engine this class extends (header reads, compressed blocks, commits).
+Segments may hold uint8 device tensors as well as host memory (capability
+``device_segments``). Host-only calls go to the host engine this class extends (header reads,
+compressed blocks, commits, and the hashed and batched reads and writes of host memory).
 
 * **Whole new files** (``exclusive``): the engine creates the file itself with the store's
   rules (``O_CREAT | O_EXCL | O_NOFOLLOW``, the config's owner-only mode), then opens it for
@@ -48,7 +49,7 @@ from kvstore.io.host import HostEngine
 from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.io.newfile import plan_new_file
 from kvstore.io.staging import DeviceStaging
-from kvstore.io.types import Segment
+from kvstore.io.types import EngineCapabilities, Segment
 from kvstore.io.vectored import read_fully, write_fully
 
 
@@ -56,7 +57,7 @@ class GdsEngine(HostEngine):
     """cuFile writes and reads of device tensors; host memory via the host engine."""
 
     name = "gds"
-    accepts_device = True
+    capabilities = EngineCapabilities(hashed_io=True, batches=True, device_segments=True)
 
     def __init__(  # noqa: PLR0913 - the device engine's collaborators (device ops, cuFile handles, file I/O), each injectable for tests
         self,

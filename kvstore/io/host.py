@@ -48,22 +48,22 @@ from kvstore.io.buffers import ThreadStaging, aligned_buffer, is_aligned
 from kvstore.io.callcheck import check_segments
 from kvstore.io.entries import FileId
 from kvstore.io.fileio import (
+    NEW_FILE_FLAGS,
     O_DIRECT,
+    PROBE_PREFIX,
     FileIO,
     filesystem_type,
 )
 from kvstore.io.fileproto import native_fileproto
 from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.io.newfile import NewFilePlan, plan_new_file
-from kvstore.io.types import DirectIOProbe, Hashing, Segment
+from kvstore.io.types import DirectIOProbe, EngineCapabilities, Hashing, Segment
 from kvstore.io.vectored import coalesce, write_fully
 
 log = logging.getLogger("kvstore.io")
 
 T = TypeVar("T")
 R = TypeVar("R")
-PROBE_PREFIX = ".kvstore-probe-"  # the O_DIRECT probe file in a store root (crashes leave it)
-NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # a whole new block file's open flags
 
 
 def probe_direct_io(directory: Path, mode: str, fio: FileIO = DEFAULT_FILEIO) -> DirectIOProbe:
@@ -112,6 +112,7 @@ class HostEngine:
     """Moves block bytes between host memory and files with a pool of I/O threads."""
 
     name = "host"
+    capabilities = EngineCapabilities(hashed_io=True, batches=True)
 
     def __init__(
         self, config: StoreConfig, fio: FileIO = DEFAULT_FILEIO, probe: bool = True
@@ -368,8 +369,8 @@ class HostEngine:
         """:meth:`read_file` of host segments, the chunks of segments ``hashing.first`` to
         ``hashing.last`` checksummed into ``hashing.sums`` as they are read, each group while
         it is in the CPU cache (:meth:`FileIO.read_regular_hashed
-        <kvstore.io.fileio.FileIO.read_regular_hashed>`: one native call for the plain
-        FileIO). The caller compares the sums."""
+        <kvstore.io.fileio.FileIO.read_regular_hashed>`: one native call for
+        NativeFileIO). The caller compares the sums."""
         flags = os.O_RDONLY | (O_DIRECT if direct else 0)
         try:
             return self.fio.read_regular_hashed(

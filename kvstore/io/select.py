@@ -41,9 +41,9 @@ from kvstore.io.align import ALIGN, align_up
 from kvstore.io.cufile import CuFiles
 from kvstore.io.device import CudaDeviceOps, DeviceOps
 from kvstore.io.engine import Engine
-from kvstore.io.fileio import FileIO
+from kvstore.io.fileio import PROBE_PREFIX, FileIO
 from kvstore.io.gds import GdsEngine
-from kvstore.io.host import PROBE_PREFIX, HostEngine, probe_direct_io
+from kvstore.io.host import HostEngine, probe_direct_io
 from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.io.pinned import PinnedEngine
 from kvstore.io.staging import HostStaging, Staging

@@ -20,6 +20,15 @@ class DirectIOProbe:
     reason: str
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an I/O engine does beyond the base contract (:mod:`kvstore.io.engine`)."""
+
+    hashed_io: bool = False  # read_file_hashed / write_new_file_hashed of host segments
+    batches: bool = False  # map_batches: one call per I/O thread over a batch
+    device_segments: bool = False  # device tensors in segments (the DeviceEngine contract)
+
+
 @dataclass(frozen=True, slots=True)
 class Hashing:
     """Checksums of whole chunks computed as a file's bytes pass through memory

@@ -31,6 +31,7 @@ from kvstore.store.codec import Codec
 from kvstore.store.compression import CompressedShards
 from kvstore.store.format import ShardLayout
 from kvstore.store.paths import ArrayPaths
+from kvstore.store.plan import ArrayPlan, plan_array
 from kvstore.store.types import StoreStats
 
 # Seconds a fan-out directory seen to be a real directory is trusted before it is checked
@@ -86,6 +87,18 @@ class GroupArray:
     def shard(self) -> ShardSpec:
         """What every block file of this array must be (:mod:`kvstore.store.check`)."""
         return ShardSpec(self.layout, self.namespace_digest, self.index, self.codec)
+
+    @cached_property
+    def plan(self) -> ArrayPlan:
+        """The paths this array's reads and writes take (:mod:`kvstore.store.plan`)."""
+        return plan_array(
+            self.layout,
+            self.engine,
+            compressed=self.codec is not None,
+            checksum_algo=self.checksum_algo,
+            verify_reads=self.verify_reads,
+            read_only=self.read_only,
+        )
 
     @cached_property
     def compressed(self) -> CompressedShards | None:

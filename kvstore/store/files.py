@@ -85,7 +85,7 @@ class BlockFiles:
         header[fmt.HEADER_FIXED_NBYTES : fmt.HEADER_FIXED_NBYTES + len(slots)] = slots
         return header
 
-    def _pack_fixed(
+    def pack_fixed(
         self, view: memoryview, block_hash: bytes, parent: bytes | None, created_ns: int
     ) -> None:
         """The fixed part of a header into ``view`` (``parent`` checked here)."""
@@ -125,11 +125,11 @@ class BlockFiles:
         ``file_nbytes``: the file's size when it is not the raw layout's (compressed blocks).
         """
         size = self.array.layout.file_nbytes if file_nbytes is None else file_nbytes
-        self._recreating_fan_out(
+        self.recreating_fan_out(
             path, lambda: self._engine_write(path, segments, size, exclusive, sync)
         )
 
-    def _recreating_fan_out(self, path: str, write: Callable[[], T]) -> T:
+    def recreating_fan_out(self, path: str, write: Callable[[], T]) -> T:
         """``write()`` into ``path``; if its fan-out directory is gone, recreated and again
         (see :meth:`write_file`)."""
         try:

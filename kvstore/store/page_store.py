@@ -28,8 +28,7 @@ from kvstore.errors import ConfigError, EntryKindError, IdentityMismatchError, S
 from kvstore.identity import Identity
 from kvstore.io.engine import Engine
 from kvstore.io.entries import open_dir_nofollow
-from kvstore.io.fileio import FileIO, sync_parents
-from kvstore.io.host import PROBE_PREFIX
+from kvstore.io.fileio import PROBE_PREFIX, FileIO, sync_parents
 from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.io.select import Probes, select_engine
 from kvstore.io.staging import Staging

@@ -1,20 +1,18 @@
 """The native file protocol (kvstore/_fileproto.c through FileIO's compound operations): the
 same files, results, exception types and words as FileIO's Python reference for every kind of
 entry a hostile tree puts at a name, descriptors closed on errors, only NativeFileIO using
-it, and the fallback when it is missing."""
+it (the binding and its fallback: tests/native/test_fileproto_binding.py)."""
 
 from __future__ import annotations
 
 import errno
-import importlib
 import json
-import logging
 import os
 import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,14 +27,14 @@ from kvstore.io.buffers import aligned_buffer
 from kvstore.io.fileio import O_DIRECT, FileIO
 from kvstore.io.host import HostEngine, probe_direct_io
 from kvstore.io.native_fileio import NativeFileIO
-from kvstore.native import BindingState, native_mode
+from kvstore.native import BindingState
 
 NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 REPO = Path(__file__).resolve().parents[2]
 
 
 class Reference(FileIO):
-    """FileIO's Python reference: any subclass runs the compound operations step by step."""
+    """FileIO's Python reference: its compound operations run step by step."""
 
 
 def _native_required() -> None:
@@ -315,7 +313,7 @@ def test_taken_name_is_the_publishers_file_exists(native: FileIO, tmp_path: Path
     assert info.value.errno == errno.EEXIST
 
 
-# -- the engine and the store use it; subclasses do not ----------------------------------------
+# -- NativeFileIO goes native, the reference FileIO never ------------------------------------
 
 
 def test_plain_fileio_alone_goes_native(
@@ -418,71 +416,6 @@ def test_a_write_past_the_file_size_limit_fails_cleanly(tmp_path: Path) -> None:
     assert out["NativeFileIO"]["result"][:2] == ["OSError", errno.EFBIG]
     assert out["NativeFileIO"]["fds_leaked"] == 0
     assert out["NativeFileIO"]["size"] == 8192  # the prefix the short write put down
-
-
-# -- binding and fallback ------------------------------------------------------------------------
-
-
-def test_native_required() -> None:
-    """CI sets KVSTORE_NATIVE=require: there the extension must build and bind, or every
-    block silently pays the Python file calls again."""
-    if native_mode() != "require":
-        pytest.skip("KVSTORE_NATIVE is not require")
-    assert fileproto.native_fileproto_unavailable() is None
-
-
-@pytest.fixture
-def unbound(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The binding undone, so that the next use binds again (under the test's patches, and
-    the real extension once they are undone)."""
-    monkeypatch.delenv("KVSTORE_NATIVE", raising=False)
-    monkeypatch.delenv("KVSTORE_NATIVE_DIR", raising=False)
-    fileproto.NATIVE_FILEPROTO.reset()
-    yield
-    monkeypatch.undo()
-    fileproto.NATIVE_FILEPROTO.reset()
-
-
-def test_missing_extension_falls_back_with_one_warning(
-    unbound: None,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    real_import = importlib.import_module
-
-    def no_extension(name: str, package: str | None = None) -> Any:
-        if name == "kvstore._fileproto":
-            raise ImportError("No module named 'kvstore._fileproto'")
-        return real_import(name, package)
-
-    monkeypatch.setattr(importlib, "import_module", no_extension)
-    fio = NativeFileIO()
-    with caplog.at_level(logging.WARNING, logger="kvstore.native"):
-        for i in range(3):
-            path = str(tmp_path / f"f{i}")
-            os.close(fio.write_new(path, NEW, 0o600, [(0, memoryview(b"abc"))], 3))
-            out = memoryview(bytearray(3))
-            fio.read_regular(path, os.O_RDONLY, [(0, out)], 3)
-            assert bytes(out) == b"abc"
-            fio.sync_and_rename(None, path, path + ".published")
-    warnings = [r for r in caplog.records if "kvstore._fileproto unavailable" in r.message]
-    assert len(warnings) == 1
-    assert "extension kvstore._fileproto not built" in warnings[0].message
-    assert fileproto.native_fileproto() is None
-
-
-def test_self_test_refuses_other_flag_values() -> None:
-    constants = {
-        "O_DIRECT": O_DIRECT,
-        "O_NOFOLLOW": os.O_NOFOLLOW,
-        "O_NONBLOCK": os.O_NONBLOCK,
-        "O_CLOEXEC": os.O_CLOEXEC,
-    }
-    assert fileproto.self_test(constants) is None
-    wrong = fileproto.self_test({**constants, "O_NOFOLLOW": 0})
-    assert wrong is not None
-    assert wrong.startswith("O_NOFOLLOW: expected")
 
 
 # -- the O_DIRECT write of a dense block, from where its segments lie --------------------------

@@ -1,10 +1,9 @@
-"""Large raw dense blocks checksummed as they are written and read (issue 17): the publisher
-hashes the data group by group into the header's slots while it writes it
-(Publisher._write_hashed -> HostEngine.write_new_file_hashed), the reader checksums each piece
-right after its read inside the engine's call (Reader._read_in_pieces ->
-HostEngine.read_file_hashed). Same files, same checks and errors, for the native calls (plain
-FileIO) and the Python reference (any FileIO subclass). The store's tiny test blocks (6 chunks
-of 4 KiB) take both paths with the thresholds lowered."""
+"""Large raw dense blocks checksummed as they are written and read: the publisher hashes the
+data group by group into the header's slots while it writes it (store/writes/hashed.py ->
+Engine.write_new_file_hashed), the reader checksums each piece right after its read inside
+the engine's call (store/reads/hashed.py -> Engine.read_file_hashed). Same files, same checks
+and errors, for the native calls (NativeFileIO) and the Python reference (FileIO). The store's
+tiny test blocks (6 chunks of 4 KiB) take both paths with the thresholds lowered."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from kvstore.checksum import XXH3_64, chunk_sums
 from kvstore.io.fileio import FileIO
 from kvstore.io.host import HostEngine
 from kvstore.store import format as fmt
-from kvstore.store import publish as publish_module
-from kvstore.store import read as read_module
+from kvstore.store import plan as plan_module
 from kvstore.store.group_store import GroupStore
 from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus
 from tests.helpers import StoreFactory, block_bytes, block_hash, make_small_identity
@@ -44,9 +42,9 @@ def _group(make_store: StoreFactory, root: Path, fio: FileIO | None) -> GroupSto
 def hashed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Every block takes the hashed write (groups of two chunks) and the hashed read (pieces
     of two chunks); returns the list of the hashing plans the engine was given."""
-    monkeypatch.setattr(publish_module, "_HASHED_WRITE_MIN_NBYTES", 0)
-    monkeypatch.setattr(publish_module, "_HASH_GROUP_NBYTES", 2 * 4096)
-    monkeypatch.setattr(read_module, "_PIECE_NBYTES", 2 * 4096)
+    monkeypatch.setattr(plan_module, "HASHED_WRITE_MIN_NBYTES", 0)
+    monkeypatch.setattr(plan_module, "WRITE_GROUP_NBYTES", 2 * 4096)
+    monkeypatch.setattr(plan_module, "READ_PIECE_NBYTES", 2 * 4096)
     monkeypatch.setattr(time, "time_ns", lambda: CREATED_NS)
     calls: list[Any] = []
     original = HostEngine.write_new_file_hashed
@@ -90,7 +88,7 @@ def test_hashed_write_gives_the_file_of_hash_then_write(
     assert raw[layout.data_offset : layout.data_end] == data.tobytes()
     assert raw[layout.data_end :] == layout.index_bytes
 
-    monkeypatch.setattr(publish_module, "_HASHED_WRITE_MIN_NBYTES", 1 << 60)  # hash, then write
+    monkeypatch.setattr(plan_module, "HASHED_WRITE_MIN_NBYTES", 1 << 60)  # hash, then write
     plain = _group(make_store, tmp_path / "plain", kind() if kind else None)
     assert plain.write_blocks([BlockWrite(h, data, parent)])[0].status is WriteStatus.WRITTEN
     assert len(hashed) == 1  # the second store took the other path
@@ -213,8 +211,8 @@ def test_chunks_larger_than_a_group(
 ) -> None:
     """A chunk larger than the group or piece size (deepseek-v3's 288 KiB chunks against
     256 KiB groups) is a group of its own: written, read back, its corruption found."""
-    monkeypatch.setattr(publish_module, "_HASH_GROUP_NBYTES", 1000)
-    monkeypatch.setattr(read_module, "_PIECE_NBYTES", 1000)
+    monkeypatch.setattr(plan_module, "WRITE_GROUP_NBYTES", 1000)
+    monkeypatch.setattr(plan_module, "READ_PIECE_NBYTES", 1000)
     kind = FIOS[fio]
     group = _group(make_store, tmp_path, kind() if kind else None)
     h = block_hash(5, "big chunks")

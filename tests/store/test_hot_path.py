@@ -20,7 +20,7 @@ from kvstore.io.host import HostEngine
 from kvstore.io.types import Hashing
 from kvstore.store import check, full_check
 from kvstore.store import format as fmt
-from kvstore.store import read as read_module
+from kvstore.store import plan as plan_module
 from kvstore.store.check import ShardSpec
 from kvstore.store.format import ShardLayout
 from kvstore.store.group_store import GroupStore
@@ -120,13 +120,13 @@ def test_chunk_sums_is_one_checksum_per_chunk(chunk_nbytes: int, algo: int) -> N
         chunk_sums(algo, data[: count * chunk_nbytes].data, chunk_nbytes, count + 1)
 
 
-# -- large whole blocks: read and verified piece by piece (store/read.py _read_in_pieces) -----
+# -- large whole blocks: read and verified piece by piece (store/reads/hashed.py) -----------
 
 
 @pytest.fixture
 def pieced(monkeypatch: pytest.MonkeyPatch, make_store: StoreFactory) -> GroupStore:
     """A store whose (tiny, 6-chunk) blocks take the piece-by-piece read: 2 chunks a piece."""
-    monkeypatch.setattr(read_module, "_PIECE_NBYTES", 2 * 4096)
+    monkeypatch.setattr(plan_module, "READ_PIECE_NBYTES", 2 * 4096)
     group = make_store().namespace(make_small_identity()).group(0)
     assert group.layout.chunk_nbytes == 4096 and group.layout.num_chunks == 6
     return group
@@ -219,7 +219,7 @@ def test_padded_layouts_read_whole_blocks_right_with_pieces_on(
     right when their blocks are large enough for the piece path (which needs dense chunks)."""
     group = make_store().namespace(make_identity()).group(0)
     piece = 2 * group.layout.chunk_nbytes  # two chunks a piece: a piece spans stride padding
-    monkeypatch.setattr(read_module, "_PIECE_NBYTES", piece)
+    monkeypatch.setattr(plan_module, "READ_PIECE_NBYTES", piece)
     assert not group.layout.dense and group.layout.block_nbytes >= 2 * piece
     h, data = write_one(group, 5)
     result, out = read_whole(group, h)
@@ -260,7 +260,7 @@ def test_o_direct_reads_are_not_split_into_pieces(
 ) -> None:
     """direct_reads: one large O_DIRECT request, not 512 KiB ones one after another (their
     bytes do not come through the CPU cache, so pieces would only cost queue depth)."""
-    monkeypatch.setattr(read_module, "_PIECE_NBYTES", 2 * 4096)
+    monkeypatch.setattr(plan_module, "READ_PIECE_NBYTES", 2 * 4096)
     calls: list[int] = []
     monkeypatch.setattr(
         HostEngine,

@@ -1,6 +1,6 @@
 """Batches of whole blocks given as pieces (the vLLM tier's rows), written and named or read
 and verified in one native call per I/O thread (NativeFileIO.publish_pieces / read_pieces, used by
-Publisher._publish_pieces and Reader._read_pieces): the same files, results and quarantine as
+store/writes/batch.py and store/reads/batch.py): the same files, results and quarantine as
 the block-by-block path, which every block the batch cannot finish goes through."""
 
 from __future__ import annotations
