@@ -231,7 +231,7 @@ def crc32c(data: bytes | memoryview) -> int:
 # 4-8, 9-16, 17-128, 129-240, > 240 bytes) and a few block-sized inputs.
 SELF_TEST_LENGTHS = (0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 4096, 8192, 65536)
 # Symbols tried in order: python-xxhash's own entry point (runtime SIMD dispatch), then the
-# plain one (both compute the same function; tests/test_native_xxh3.py checks).
+# plain one (both compute the same function; tests/native/test_native_xxh3.py checks).
 NATIVE_SYMBOLS = ("XXH3_64bits_dispatch", "XXH3_64bits")
 
 

@@ -39,7 +39,7 @@ export KVSTORE_NATIVE=require KVSTORE_NATIVE_DIR="$out"
 "$python" -m kvstore.cli --version
 
 if [ "$#" -eq 0 ]; then
-  set -- tests/native tests/io tests/store tests/test_native_xxh3.py
+  set -- tests/native tests/io tests/store
 fi
 rc=0
 "$python" -m pytest -p no:cacheprovider -q "$@" || rc=$?

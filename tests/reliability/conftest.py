@@ -11,14 +11,6 @@ import pytest
 HERE = Path(__file__).parent
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "reliability: crash, power-loss, fault, disk-full, concurrency, identity, hostile-input "
-        "and path tests (issue 8); KVSTORE_RELIABILITY_FULL=1 runs the bigger tier",
-    )
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if HERE in Path(str(item.fspath)).parents:

@@ -25,14 +25,6 @@ from tests.scaleout.harness import SharedRoot
 HERE = Path(__file__).parent
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "scaleout: two nodes sharing one store on a GlusterFS volume (issue 10); needs root, "
-        "FUSE, network namespaces and glusterfs-server/glusterfs-client, else skipped",
-    )
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if HERE in Path(str(item.fspath)).parents:

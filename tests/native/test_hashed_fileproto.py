@@ -22,7 +22,7 @@ from kvstore.io.fileio import O_DIRECT, FileIO
 from kvstore.io.host import probe_direct_io
 from kvstore.io.native_fileio import NativeFileIO
 from kvstore.io.types import Hashing
-from tests.io.test_native_fileproto import KINDS, NEW, Reference, _hostile, _open_fds
+from tests.native.test_native_fileproto import KINDS, NEW, Reference, _hostile, _open_fds
 
 CHUNK = 1024
 
