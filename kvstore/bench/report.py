@@ -1,5 +1,5 @@
-"""The benchmark report: what the figures were measured on, the issue's targets against the
-worst figure of a run, and the markdown page (docs/performance.md) with every suite's section.
+"""The benchmark report: what the figures were measured on, the performance targets against
+the worst figure of a run, and the markdown page (docs/performance.md) with every suite's section.
 
 :func:`kvstore.bench.main` runs the suites and calls these; ``--render`` re-renders a saved
 JSON report through them without measuring anything.
@@ -44,7 +44,7 @@ def machine(base: Path) -> dict[str, Any]:
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, str]]:
-    """The issue's targets with the worst figure of this run against each."""
+    """The performance targets, with the worst figure of this run against each."""
     suites = report["suites"]
     rows: list[dict[str, str]] = []
 
@@ -126,13 +126,24 @@ PLOT_FILES = {
 }
 
 
-# Sections of the page written by other scripts (not by this run): kept as they are when the
-# page is rewritten, so that regenerating the page never drops their figures.
-CARRIED_SECTIONS = (
-    "## Time to first token with a real engine",  # scripts/bench_ttft.py
-    # scripts/bench.py --tmpfs (its table), profiles and analysis by hand (issue 17)
+# Sections of the page that no suite of this script writes, kept word for word from the
+# previous page when the page is rewritten, so that regenerating the page never drops them; in
+# this order, after the generated sections and before the Notes.
+HAND_SECTIONS = (
+    # written by scripts/bench_ttft.py --markdown: a vLLM engine run, not a suite of this script
+    "## Time to first token with a real engine",
+    # `--suite tier` prints its tables; which of its runs are the current figures is picked by hand
+    "## Secondary tier vs vLLM fs tier",
+    # `--tmpfs` prints its tables to the terminal, not into the page
     "## Fast storage (tmpfs): what kvstore adds to the raw floor",
-    "## Secondary tier vs vLLM fs tier",  # scripts/bench.py --suite tier, by hand (issue 18)
+    # what the figures above still miss: read from them by hand
+    "## Known gaps",
+)
+# The page's last line: the dated investigation rounds live in docs/notes/, not on the page.
+HISTORY = (
+    "How these figures were reached (dated investigation rounds, profiles and A/B runs; not "
+    "current figures): [notes/tier-rounds.md](notes/tier-rounds.md), "
+    "[notes/tmpfs-rounds.md](notes/tmpfs-rounds.md)."
 )
 
 
@@ -140,7 +151,7 @@ def markdown_report(
     report: dict[str, Any], plots: Sequence[Path], page_dir: Path, previous: str = ""
 ) -> str:
     """The figures as a markdown page (docs/performance.md), with the command that made them;
-    the :data:`CARRIED_SECTIONS` of the ``previous`` page are kept."""
+    the :data:`HAND_SECTIONS` of the ``previous`` page are kept."""
     m = report["machine"]
     suites = report["suites"]
     lines = [
@@ -182,16 +193,21 @@ def markdown_report(
             if png in names:
                 lines += ["", f"![{png}]({png})"]
     lines += _scaleout_section(page_dir)
-    lines += carried_sections(previous)
-    lines += ["", *_notes(report)]
+    lines += page_tail(previous)
     return "\n".join(lines) + "\n"
 
 
-def carried_sections(previous: str) -> list[str]:
-    """The :data:`CARRIED_SECTIONS` of a previous page, each up to the next ``## `` heading."""
+def page_tail(previous: str) -> list[str]:
+    """What follows the generated sections: the hand sections of ``previous``, the Notes and
+    the line that points to the history."""
+    return [*hand_sections(previous), "", *_notes(), "", HISTORY]
+
+
+def hand_sections(previous: str) -> list[str]:
+    """The :data:`HAND_SECTIONS` of a previous page, each up to the next ``## `` heading."""
     lines = previous.splitlines()
     out: list[str] = []
-    for heading in CARRIED_SECTIONS:
+    for heading in HAND_SECTIONS:
         start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
         if start is None:
             continue
@@ -232,7 +248,7 @@ def _scaleout_section(page_dir: Path) -> list[str]:
     ]
 
 
-def _notes(report: dict[str, Any]) -> list[str]:
+def _notes() -> list[str]:
     """Fixed explanations that go with the figures (how to read them, what is not measured)."""
     return [
         "## Notes",

@@ -65,14 +65,23 @@ def test_every_suite_runs_and_renders(tmp_path: Path, capsys: pytest.CaptureFixt
     assert bench.main(["--render", str(saved), "--markdown", str(page)]) == 0
     assert "## Lookup" in page.read_text()
     assert not (tmp_path / "scratch" / "lookup-store").exists()  # scratch cleaned up
-    # Sections other scripts wrote into the page (bench_ttft.py) survive a rewrite; the
-    # rest of the old page does not.
+    # The hand sections (bench_ttft.py's, the tier's, the gaps) survive a rewrite, in their
+    # order and before the Notes; the rest of the old page does not.
     ttft = "## Time to first token with a real engine\n\n**Recomputed / loaded: 9.9x**\n"
-    page.write_text("# old page\n\nstale figures\n\n" + ttft + "\n## Notes\n\nold notes\n")
+    tier = "## Secondary tier vs vLLM fs tier\n\n| run | store |\n|---|---|\n| a | 1.01 |\n"
+    gaps = "## Known gaps\n\n* **Never measured**: a GPU.\n"
+    old_round = "### Second round (2026-12-01, evening)\n\nold round\n"
+    page.write_text(
+        f"# old page\n\nstale figures\n\n{gaps}\n{ttft}\n## Old rounds\n\n{old_round}\n"
+        f"{tier}\n## Notes\n\nold notes\n"
+    )
     assert bench.main(["--render", str(saved), "--markdown", str(page)]) == 0
     text = page.read_text()
-    assert ttft.strip() in text and "## Lookup" in text
-    assert "stale figures" not in text and "old notes" not in text
+    assert ttft.strip() in text and tier.strip() in text and gaps.strip() in text
+    assert text.index("## Time to first") < text.index("## Secondary tier") < text.index("## Known")
+    assert text.index("## Known gaps") < text.index("## Notes") < text.index(bench_report.HISTORY)
+    assert text.rstrip().endswith(bench_report.HISTORY) and "## Lookup" in text
+    assert "stale figures" not in text and "old notes" not in text and "old round" not in text
 
 
 def test_unknown_suite_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -102,3 +111,20 @@ def test_scaleout_figures_are_embedded_when_present(tmp_path: Path) -> None:
     assert lines[1] == "## Scale-out: GlusterFS (FUSE) vs the local disk under it"
     assert not any("kvstore scale-out" in line for line in lines)  # its title is replaced
     assert "### Throughput" in lines and "| 1 | 2 |" in lines  # headings under the section
+
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "performance.md"
+
+
+def test_the_page_regenerates_its_hand_sections_as_they_are() -> None:
+    """docs/performance.md from its first hand section on is what a rewrite produces from it:
+    every hand section is there and kept word for word, nothing else after the generated part
+    survives, and no dated investigation round is on the page (they live in docs/notes/)."""
+    text = PAGE.read_text(encoding="utf-8")
+    headings = [line for line in text.splitlines() if line.startswith("#")]
+    assert all(heading in headings for heading in bench_report.HAND_SECTIONS)
+    assert not [h for h in headings if " round" in h.lower() or "2026-" in h]
+    start = text.index(bench_report.HAND_SECTIONS[0])
+    assert text[start:] == "\n".join(bench_report.page_tail(text)[1:]) + "\n"
+    for link in ("notes/tier-rounds.md", "notes/tmpfs-rounds.md"):
+        assert f"]({link})" in bench_report.HISTORY and (PAGE.parent / link).is_file()

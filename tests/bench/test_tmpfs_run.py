@@ -93,7 +93,7 @@ def test_the_fast_storage_section_survives_a_rewrite_of_the_page() -> None:
         "## Fast storage (tmpfs): what kvstore adds to the raw floor\n\n| a | b |\n|---|---|\n"
     )
     previous = "# page\n\n## Lookup\n\nold\n\n" + section + "\n## Notes\n\nold notes\n"
-    kept = "\n".join(report.carried_sections(previous))
+    kept = "\n".join(report.hand_sections(previous))
     assert section.strip() in kept and "old notes" not in kept
 
 
