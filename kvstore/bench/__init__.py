@@ -20,7 +20,7 @@ Suites (``--suite NAME[,NAME]``; all by default), one module each:
 The report (machine, targets, the markdown page) is :mod:`kvstore.bench.report`; the systems
 the throughput suite compares are :mod:`kvstore.bench.systems`.
 
-``--tmpfs`` is the fast-storage run (issue 17): throughput and overhead on tmpfs
+``--tmpfs`` is the fast-storage run: throughput and overhead on tmpfs
 (``/dev/shm``, a stand-in for storage faster than the code), kvstore against the raw floor for
 every model of ``models.json`` at 16- and 256-token blocks, with the ratios measured at the
 commit before the fast-path work printed next to this run's

@@ -115,7 +115,7 @@ def _one_round(scratch: Path, blocks: int, turn: int) -> tuple[list[tuple[str, f
         floor.close()
 
 
-# (store, raw) µs per block at e141e29 (before issue 17's fast path), from the second of the
+# (store, raw) µs per block at e141e29 (before the small-block fast path), from the second of the
 # runs that measured kvstore.bench.throughput.TMPFS_BASELINE (the first: write 108.7 / 18.2,
 # read 54.2 / 8.5).
 BASELINE_COMMIT = "e141e29"

@@ -9,7 +9,7 @@ One run measures, on each target, with one model geometry:
   files dropped) and warm (read again);
 * **lookup**: ``contains`` per key for present and absent keys, cold (after the clients'
   metadata caches expired) and warm, the same probes run one after another (``serial``, what
-  ``contains`` did before issue 10), and ``longest_prefix`` of a chain half stored;
+  ``contains`` did before its probes moved to the I/O threads), and ``longest_prefix`` of a chain half stored;
 * **gc pass**: one ``kvstore gc --dry-run`` pass over the store (scan + stat of every file).
 
 ``python -m kvstore.bench.scaleout run --node-a A --node-b B --local L --json out.json``
@@ -346,7 +346,7 @@ def render(reports: Sequence[dict[str, Any]]) -> str:
     for rep in reports:
         label = rep["label"] or "no added latency"
         lines += [
-            f"{label}: ms per key (`contains`: since issue 10 its probes go to the I/O "
+            f"{label}: ms per key (`contains`: its probes go to the I/O "
             "threads once the first ones prove slow; `serial probes`: the same probes one after "
             "another) and per call "
             "(`longest_prefix` of a chain whose first half is stored). Cold: after the "

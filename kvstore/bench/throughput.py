@@ -181,7 +181,7 @@ def run(  # noqa: PLR0913 - one parameter per scripts/bench.py option of the sui
 
 # -- the fast-storage baseline (scripts/bench.py --tmpfs) -------------------------------------
 
-# kvstore / raw floor on tmpfs at e141e29, the commit before the fast-path work of issue 17
+# kvstore / raw floor on tmpfs at e141e29, the commit before the fast-path work
 # (read path, write path, piecewise verification): write, cold read, hot read per
 # (model, block tokens). Mean of two runs of ``python scripts/bench.py --suite
 # throughput,overhead --root /dev/shm/... --gib 0.25 --repeat 3 --models <all> --block-tokens

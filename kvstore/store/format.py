@@ -246,7 +246,7 @@ class FixedHeaderTemplate:
     """:func:`encode_fixed_header` for the raw blocks of one array, whose fields other than
     the hashes, the checksum algorithm and the creation time are the same for every block:
     those are packed once here, so a block's fixed part is one ``pack`` and one crc32c (the
-    per-block cost of a small block's write, issue 17). The bytes are exactly
+    per-block cost of a small block's write, a visible share of its time). The bytes are exactly
     :func:`encode_fixed_header`'s (tests/store/test_format.py compares them)."""
 
     __slots__ = ("_geometry", "_prefix")
