@@ -7,7 +7,7 @@ holding 0 means "not written yet" in the multi-writer protocol).
 
 * ``xxh3_64`` (id 1, the host engines' default): ~25+ GB/s per core, 64 bits. python-xxhash
   holds the GIL for inputs up to at least 128 KiB, so :func:`chunk_sums` hashes a block's
-  chunks in one call of the small C extension ``kvstore._xxh3batch`` with the GIL released
+  chunks in one call of the small C extension ``kvstore._native._xxh3batch`` with the GIL released
   (see "Native batch" below).
 * ``crc32c`` (id 2): hardware CRC, the checksum zarr's sharding index already uses.
 * ``wsum64`` (id 3, the GPUDirect engine's default): a keyed 64-bit weighted word sum that a
@@ -36,7 +36,7 @@ Speed: on the CPU ``torch.dot`` over int64 words, up to ~8.5 GB/s on a 4 MiB chu
 there, which is why host engines keep xxh3 (``checksum="auto"``). On a GPU it runs at memory
 bandwidth, far above any storage.
 
-Native batch (xxh3_64 only): ``kvstore._xxh3batch`` contains no hash code. It opens
+Native batch (xxh3_64 only): ``kvstore._native._xxh3batch`` contains no hash code. It opens
 python-xxhash's already loaded extension module (``dlopen``) and calls the XXH3 function that module
 exports (xxHash's public C API: ``XXH3_64bits_dispatch``, the runtime-SIMD entry point
 python-xxhash itself calls, else ``XXH3_64bits``), once per chunk in a C loop without the GIL.
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     import torch
 
 Checksum = Callable[[memoryview], int]
-# kvstore._xxh3batch.sums(data, chunk_nbytes, count, stride, out)
+# kvstore._native._xxh3batch.sums(data, chunk_nbytes, count, stride, out)
 BatchSums = Callable[[memoryview, int, int, int, memoryview], None]
 
 log = logging.getLogger("kvstore.checksum")
@@ -237,7 +237,7 @@ NATIVE_SYMBOLS = ("XXH3_64bits_dispatch", "XXH3_64bits")
 
 def _bind_native(native: ModuleType) -> tuple[tuple[BatchSums, object] | None, str | None]:
     """Bind python-xxhash's XXH3 function in the imported extension and self-test it: the
-    batch function and its capsule (kvstore._fileproto hashes with it while it reads or
+    batch function and its capsule (kvstore._native._fileproto hashes with it while it reads or
     writes), or why not."""
     bind: Callable[[str, str], None] = native.bind
     sums: BatchSums = native.sums
@@ -259,7 +259,7 @@ def _bind_native(native: ModuleType) -> tuple[tuple[BatchSums, object] | None, s
 
 
 NATIVE_BATCH = NativeBinding(
-    "kvstore._xxh3batch", _bind_native, "using python-xxhash per chunk (the same values)"
+    "kvstore._native._xxh3batch", _bind_native, "using python-xxhash per chunk (the same values)"
 )
 
 
@@ -279,7 +279,7 @@ def native_xxh3_capsule() -> object | None:
 def reference_batch_sums(
     data: object, chunk_nbytes: int, count: int, stride: int, out: object
 ) -> None:
-    """``kvstore._xxh3batch.sums`` in Python, its reference: ``out[i]`` = xxh3_64 of the
+    """``kvstore._native._xxh3batch.sums`` in Python, its reference: ``out[i]`` = xxh3_64 of the
     ``chunk_nbytes`` bytes of ``data`` at ``i * stride``, for ``i < count``, with the C's
     checks in the C's order and the same exception types (tests/native holds the two to each
     other)."""

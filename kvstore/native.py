@@ -1,10 +1,10 @@
 """The one binder of kvstore's C extensions, and the switch that chooses them.
 
-kvstore has two optional extensions: ``kvstore._xxh3batch`` (a block's xxh3 checksums in one
-call without the GIL, :mod:`kvstore.checksum`) and ``kvstore._fileproto`` (a block file's whole
-protocol in one call without the GIL, :mod:`kvstore.io.fileproto`). Each has a Python reference
-that gives the same result for every input; the extensions are only faster. This module
-decides, once per process and per extension, which one runs:
+kvstore has two optional extensions, both in :mod:`kvstore._native`: ``_xxh3batch`` (a block's
+xxh3 checksums in one call without the GIL, :mod:`kvstore.checksum`) and ``_fileproto`` (a
+block file's whole protocol in one call without the GIL, :mod:`kvstore.io.fileproto`). Each
+has a Python reference that gives the same result for every input; the extensions are only
+faster. This module decides, once per process and per extension, which one runs:
 
 ``KVSTORE_NATIVE`` (environment):
 
@@ -63,8 +63,8 @@ def native_mode() -> str:
 
 
 def import_extension(name: str) -> ModuleType:
-    """Import extension ``name`` (``kvstore._fileproto``): from ``KVSTORE_NATIVE_DIR`` when it
-    is set, else from the package. ImportError says what was looked for."""
+    """Import extension ``name`` (``kvstore._native._fileproto``): from ``KVSTORE_NATIVE_DIR``
+    when it is set, else from the package. ImportError says what was looked for."""
     directory = os.environ.get(DIR_ENV)
     if not directory:
         # By name: import-linter sees no .py file for a C module and would count a plain

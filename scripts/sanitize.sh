@@ -17,8 +17,8 @@ suffix="$("$python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SU
 cflags=(-O1 -g -fno-omit-frame-pointer "-fsanitize=address,undefined"
   -fno-sanitize-recover=undefined -Wall -Wextra -Werror -shared -fPIC -I"$include")
 mkdir -p "$out"
-gcc "${cflags[@]}" kvstore/_xxh3batch.c -o "$out/_xxh3batch$suffix" -ldl
-gcc "${cflags[@]}" kvstore/_fileproto.c -o "$out/_fileproto$suffix"
+gcc "${cflags[@]}" kvstore/_native/xxh3batch.c -o "$out/_xxh3batch$suffix" -ldl
+gcc "${cflags[@]}" kvstore/_native/fileproto.c -o "$out/_fileproto$suffix"
 
 # python is not instrumented, so the ASan runtime must be the first library in the process
 # (ASan refuses to start from a dlopen'd module). libubsan needs no such place; it is

@@ -1,7 +1,7 @@
 """The argument checks of the native file calls, in Python: the reference refuses what the C
 refuses, with the same exception type, in the same order.
 
-kvstore/_fileproto.c checks every argument before it touches memory (types, counts, offsets
+kvstore/_native/fileproto.c checks every argument before it touches memory (types, counts, offsets
 and lengths against the buffers they index, alignment, overflow-checked sizes) and raises
 TypeError, ValueError or OverflowError naming the argument. :class:`~kvstore.io.fileio.FileIO`'s
 Python reference of each call runs these checks first, so that both give the same result for
@@ -34,7 +34,8 @@ from kvstore.callargs import (
 )
 from kvstore.io.types import PiecePlan
 
-# Linux's IOV_MAX; os.sysconf may not know it everywhere (kvstore/_fileproto.c uses limits.h).
+# Linux's IOV_MAX; os.sysconf may not know it everywhere (kvstore/_native/fileproto.c uses
+# limits.h).
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 _SSIZE_MIN, _SSIZE_MAX = -sys.maxsize - 1, sys.maxsize
 
@@ -169,7 +170,7 @@ def int64_values(call: str, array: object, what: str, count: int) -> np.ndarray:
 
 
 def overlaps(a: memoryview, b: memoryview) -> bool:
-    """Whether two views share a byte of memory (kvstore/_fileproto.c ``overlaps``)."""
+    """Whether two views share a byte of memory (kvstore/_native/fileproto.c ``overlaps``)."""
     if not len(a) or not len(b):
         return False
     a0, b0 = address(a), address(b)
@@ -323,7 +324,7 @@ def _check_piece_places(  # noqa: PLR0913 - the geometry, one argument each
     span: int,
 ) -> None:
     """The pieces tile the span (each start a multiple of ``piece``, each place once) and
-    ``slot_of`` is the order that follows (kvstore/_fileproto.c ``check_piece_places``)."""
+    ``slot_of`` is the order that follows (kvstore/_native/fileproto.c ``check_piece_places``)."""
     npieces = len(starts)
     piece_at = [-1] * npieces
     for k, start in enumerate(starts.tolist()):

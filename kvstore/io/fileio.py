@@ -32,7 +32,7 @@ Compound operations do one block file's whole protocol (:meth:`FileIO.write_new`
 :meth:`FileIO.read_regular`, :meth:`FileIO.sync_and_rename`, their hashed forms, the batched
 existence probe and the piece batches). Their bodies here, composed of the primitives above
 and nothing else, are the reference. :class:`kvstore.io.native_fileio.NativeFileIO` overrides
-them with one GIL-free call each of the C extension ``kvstore._fileproto``
+them with one GIL-free call each of the C extension ``kvstore._native._fileproto``
 (:mod:`kvstore.io.fileproto`): the same system calls, flags and errors, a fraction of the
 Python cost per small block; it is the default (``DEFAULT_FILEIO``).
 """

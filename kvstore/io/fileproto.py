@@ -1,4 +1,4 @@
-"""Binding of the native per-file protocol, the C extension ``kvstore._fileproto``.
+"""Binding of the native per-file protocol, the C extension ``kvstore._native._fileproto``.
 
 The extension does one block file's whole protocol (open, vectored writes or reads, the
 O_DIRECT switch, truncate, fstat, touch, close; fdatasync then the no-replace rename) in one
@@ -30,7 +30,23 @@ ReadOutcome = tuple[int, int, int, int, int, tuple[int, int, int] | None]
 
 
 class NativeFileProto(Protocol):
-    """The functions of ``kvstore._fileproto`` (kvstore/_fileproto.c documents each)."""
+    """The functions of ``kvstore._native._fileproto`` (kvstore/_native/fileproto.c documents
+    each): the extension's one typing.
+
+    Every function checks every argument before it touches memory, and raises (never a signal,
+    never a status) for a caller's mistake: TypeError for a wrong type (a non-integer, a
+    non-buffer, read-only memory where the call writes, a path that is not str, bytes or
+    os.PathLike), OverflowError for a number or a derived size (offset + length, pieces x
+    piece size, slots) past 2**63, ValueError for the rest (a negative size or offset, a NUL in
+    a path, a mode outside 0..0o7777, int64/uint64 buffers not 8-byte aligned or of the wrong
+    format or count, pieces that do not tile their span, a slot order other than the one their
+    starts give, checksum slots outside the header, a header, span or index outside the file).
+    Any integer is taken where an int is (numpy integers included). Sequences are copied once
+    when the call starts: a list changed meanwhile (by an item's __fspath__ or __index__)
+    changes nothing. An empty segment moves nothing. The Python reference of each function
+    (kvstore/io/fileio.py, kvstore/io/piece_batch.py, checked by kvstore/io/callcheck.py) raises
+    the same types and returns the same values and statuses.
+    """
 
     def write_new(  # noqa: PLR0913 - the C function's arguments
         self,
@@ -135,12 +151,12 @@ def _bind(module: ModuleType) -> tuple[NativeFileProto | None, str | None]:
     """The extension, once it is checked to be built for this platform's flag values."""
     wrong = self_test(module.constants())
     if wrong is not None:
-        return None, f"kvstore._fileproto failed its self-test: {wrong}"
+        return None, f"kvstore._native._fileproto failed its self-test: {wrong}"
     native: NativeFileProto = module
     return native, None
 
 
-NATIVE_FILEPROTO = NativeBinding("kvstore._fileproto", _bind, "using the Python file calls")
+NATIVE_FILEPROTO = NativeBinding("kvstore._native._fileproto", _bind, "using the Python file calls")
 
 
 def native_fileproto() -> NativeFileProto | None:

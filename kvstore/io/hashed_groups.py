@@ -3,7 +3,7 @@
 A hashed write or read (:meth:`FileIO.write_new_hashed <kvstore.io.fileio.FileIO.write_new_hashed>`,
 :meth:`FileIO.read_regular_hashed <kvstore.io.fileio.FileIO.read_regular_hashed>`) moves a
 block's data group by group and checksums each group while it is in the CPU cache. These
-functions cut the groups exactly as kvstore/_fileproto.c's ``hashed_transfer`` does, so that
+functions cut the groups exactly as kvstore/_native/fileproto.c's ``hashed_transfer`` does, so that
 both raise the same errors and stop at the same short read.
 """
 
@@ -17,7 +17,7 @@ from kvstore.checksum import chunk_sums
 from kvstore.io.callcheck import check_sums_apart, check_uint64_sums
 from kvstore.io.types import Hashing
 
-# Most pieces of segments in one group of a hashed transfer: the bound kvstore/_fileproto.c's
+# Most pieces of segments in one group of a hashed transfer: the bound kvstore/_native/fileproto.c's
 # GROUP_PARTS keeps, so both cut a run the same way (the same short-read words).
 _GROUP_PARTS = 64
 
@@ -25,7 +25,7 @@ _GROUP_PARTS = 64
 def hashed_groups(
     segments: Sequence[tuple[int, memoryview]], h: Hashing
 ) -> list[tuple[int, list[memoryview]]]:
-    """The groups of a hashed transfer, as kvstore/_fileproto.c's ``hashed_transfer`` cuts
+    """The groups of a hashed transfer, as kvstore/_native/fileproto.c's ``hashed_transfer`` cuts
     them: ``(file offset, pieces)``, each a file-contiguous run of whole chunks of at most
     ``h.group_nbytes`` (rounded down to whole chunks, at least one) in at most
     :data:`_GROUP_PARTS` pieces,

@@ -1,4 +1,4 @@
-"""The compound file operations as one GIL-free call each of ``kvstore._fileproto``.
+"""The compound file operations as one GIL-free call each of ``kvstore._native._fileproto``.
 
 :class:`NativeFileIO` is :class:`~kvstore.io.fileio.FileIO` with its compound operations
 (:meth:`~FileIO.exists_many`, :meth:`~FileIO.write_new`, :meth:`~FileIO.write_new_hashed`,

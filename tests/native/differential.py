@@ -1,22 +1,21 @@
 """Differential tests of kvstore's native calls against their Python references, over
 hypothesis-generated arguments, valid and hostile alike.
 
-kvstore/_xxh3batch.c and kvstore/_fileproto.c promise the result of their Python reference for
-every input: the same exception type (TypeError, ValueError, OverflowError, OSError with the
-same errno), the same return values and per-block statuses, the same bytes written to files
-and into the caller's buffers. Each test here draws a call's arguments (valid geometry mixed
-with boundary integers, numpy integers, wrong types, odd buffers, odd paths and odd trees),
-runs the native call and the reference each in a forked child
-(:func:`~tests.native.isolated.run_isolated`: a crash is a failed example, never a dead
-runner), each in its own fresh directory holding the same entries, and compares what the two
-children report (the value returned or the exception's type and errno; every buffer of the
-call, byte for byte, after it) and the two trees after the call (names, kinds, permissions,
-file bytes, whether an mtime was touched). The buffers are built once, before both forks, so
-both calls see them at the same addresses (alignment decides O_DIRECT and refusals).
+kvstore/_native/xxh3batch.c and kvstore/_native/fileproto.c promise the result of their Python
+reference for every input: the same exception type (TypeError, ValueError, OverflowError, OSError
+with the same errno), the same return values and per-block statuses, the same bytes written to files
+and into the caller's buffers. Each test here draws a call's arguments (valid geometry mixed with
+boundary integers, numpy integers, wrong types, odd buffers, odd paths and odd trees), runs the
+native call and the reference each in a forked child (:func:`~tests.native.isolated.run_isolated`: a
+crash is a failed example, never a dead runner), each in its own fresh directory holding the same
+entries, and compares what the two children report (the value returned or the exception's type and
+errno; every buffer of the call, byte for byte, after it) and the two trees after the call (names,
+kinds, permissions, file bytes, whether an mtime was touched). The buffers are built once, before
+both forks, so both calls see them at the same addresses (alignment decides O_DIRECT and refusals).
 
-The native side is the plain :class:`~kvstore.io.fileio.FileIO` (and the two extension
-functions called directly); the reference is a FileIO subclass, which always runs the Python
-reference, and :func:`~kvstore.checksum.reference_batch_sums`,
+The native side is :class:`~kvstore.io.native_fileio.NativeFileIO` (and the two extension
+functions called directly); the reference is :class:`~kvstore.io.fileio.FileIO`, which always
+runs the Python reference, and :func:`~kvstore.checksum.reference_batch_sums`,
 :func:`~kvstore.io.host.first_unaligned_reference`. Error words name different directories,
 so only types and errnos are compared.
 

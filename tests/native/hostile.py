@@ -49,7 +49,7 @@ def _fio(impl: str) -> FileIO:
 
 
 def _native_module() -> Any:
-    """The bound kvstore._fileproto module itself (skips where unbound)."""
+    """The bound kvstore._native._fileproto module itself (skips where unbound)."""
     _require_native()
     return native_fileproto()
 

@@ -17,7 +17,7 @@ from kvstore.errors import ConfigError
 from kvstore.io import fileproto
 from kvstore.native import native_mode
 
-EXTENSIONS = ("kvstore._fileproto", "kvstore._xxh3batch")
+EXTENSIONS = ("kvstore._native._fileproto", "kvstore._native._xxh3batch")
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
@@ -39,7 +39,7 @@ def _built() -> Path:
     why = fileproto.native_fileproto_unavailable()
     if why is not None:
         pytest.skip(f"native file protocol not active: {why}")
-    module = sys.modules["kvstore._fileproto"]
+    module = sys.modules["kvstore._native._fileproto"]
     assert module.__file__ is not None
     return Path(module.__file__).parent
 
@@ -102,15 +102,14 @@ def test_require_fails_where_an_extension_is_missing(tmp_path: Path) -> None:
     done = _version({"KVSTORE_NATIVE": "require", "KVSTORE_NATIVE_DIR": str(tmp_path)})
     assert done.returncode == 2
     assert (
-        "kvstore._fileproto: KVSTORE_NATIVE=require: expected kvstore._fileproto, but extension "
-        f"kvstore._fileproto not built (KVSTORE_NATIVE_DIR={tmp_path}: no _fileproto{SUFFIX} "
-        "there)"
+        "kvstore._native._fileproto: KVSTORE_NATIVE=require: expected "
+        "kvstore._native._fileproto, but extension kvstore._native._fileproto not built "
+        f"(KVSTORE_NATIVE_DIR={tmp_path}: no _fileproto{SUFFIX} there)"
     ) in done.stdout
     fallback = _version({"KVSTORE_NATIVE": "auto", "KVSTORE_NATIVE_DIR": str(tmp_path)})
     assert fallback.returncode == 0
-    assert "kvstore._xxh3batch: Python reference (extension kvstore._xxh3batch not built" in (
-        fallback.stdout
-    )
+    words = "kvstore._native._xxh3batch: Python reference (extension kvstore._native._xxh3batch"
+    assert f"{words} not built" in (fallback.stdout)
 
 
 def test_require_raises_at_first_use(tmp_path: Path) -> None:
@@ -130,4 +129,4 @@ def test_require_raises_at_first_use(tmp_path: Path) -> None:
         check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "refused: KVSTORE_NATIVE=require: expected kvstore._fileproto" in done.stdout
+    assert "refused: KVSTORE_NATIVE=require: expected kvstore._native._fileproto" in done.stdout

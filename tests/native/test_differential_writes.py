@@ -63,7 +63,7 @@ from tests.native.values import (
 
 pytestmark = pytest.mark.usefixtures("both_extensions_bound")
 
-# -- kvstore._xxh3batch.sums -----------------------------------------------------------------
+# -- kvstore._native._xxh3batch.sums ---------------------------------------------------------
 
 OUT_KINDS = (*SUMS_KINDS, "u32", "f64", "bytearray", "bytes", "none", "mv_Q", "mv_q")
 
@@ -132,12 +132,12 @@ EMPTY_CHUNK_OF_STRIDED_VIEW = {
 @given(case=xxh3_cases())
 @example(case=EMPTY_CHUNK_OF_STRIDED_VIEW)
 def test_xxh3_batch_sums_matches_its_reference(case: dict[str, Any]) -> None:
-    """kvstore._xxh3batch.sums and reference_batch_sums agree for every input: the same
+    """kvstore._native._xxh3batch.sums and reference_batch_sums agree for every input: the same
     exception type for negative, overflowing, numpy or wrongly typed sizes, data too short,
     data or out that is no buffer, not contiguous, read-only, misaligned, of another item
     type or byte order, or too small; the same uint64 values in ``out`` (and nothing else
     written) for valid ones."""
-    native_sums = importlib.import_module("kvstore._xxh3batch").sums
+    native_sums = importlib.import_module("kvstore._native._xxh3batch").sums
     data, data_backing = build_mem(case["data"])
     out, out_backing = build_out(*case["out"])
     args = (data, case["chunk"], case["count"], case["stride"], out)
@@ -174,7 +174,7 @@ def unaligned_cases(draw: st.DrawFn) -> dict[str, Any]:
 @DIFF
 @given(case=unaligned_cases())
 def test_first_unaligned_matches_its_reference(case: dict[str, Any]) -> None:
-    """kvstore._fileproto.first_unaligned and first_unaligned_reference agree: the same
+    """kvstore._native._fileproto.first_unaligned and first_unaligned_reference agree: the same
     (index, address aligned) for buffers aligned or not in address and length (empty ones,
     4 KiB-aligned ones, numpy offsets), the same exception type for a bad alignment or bad
     segments."""

@@ -1,4 +1,4 @@
-"""Binding the native file protocol (kvstore._fileproto): required where CI says so, one
+"""Binding the native file protocol (kvstore._native._fileproto): required where CI says so, one
 warning and the Python reference where it is missing, and a self-test that refuses a build
 whose flag values are not this platform's."""
 
@@ -49,8 +49,8 @@ def test_missing_extension_falls_back_with_one_warning(
     real_import = importlib.import_module
 
     def no_extension(name: str, package: str | None = None) -> Any:
-        if name == "kvstore._fileproto":
-            raise ImportError("No module named 'kvstore._fileproto'")
+        if name == "kvstore._native._fileproto":
+            raise ImportError("No module named 'kvstore._native._fileproto'")
         return real_import(name, package)
 
     monkeypatch.setattr(importlib, "import_module", no_extension)
@@ -63,9 +63,9 @@ def test_missing_extension_falls_back_with_one_warning(
             fio.read_regular(path, os.O_RDONLY, [(0, out)], 3)
             assert bytes(out) == b"abc"
             fio.sync_and_rename(None, path, path + ".published")
-    warnings = [r for r in caplog.records if "kvstore._fileproto unavailable" in r.message]
+    warnings = [r for r in caplog.records if "kvstore._native._fileproto unavailable" in r.message]
     assert len(warnings) == 1
-    assert "extension kvstore._fileproto not built" in warnings[0].message
+    assert "extension kvstore._native._fileproto not built" in warnings[0].message
     assert fileproto.native_fileproto() is None
 
 

@@ -1,5 +1,5 @@
 """Checksums computed as a file's bytes pass (FileIO.write_new_hashed / read_regular_hashed,
-kvstore/_fileproto.c's hashed transfers): the native calls give the Python reference's files,
+kvstore/_native/fileproto.c's hashed transfers): the native calls give the Python reference's files,
 sums and errors, for every way a block's data arrives (one segment, pieces, gaps, more pieces
 than a group holds), with O_DIRECT, and on every kind of entry a hostile tree puts at a
 name."""
@@ -347,15 +347,15 @@ def test_corrupt_block_error_is_raised_with_identity(tmp_path: Path) -> None:
 
 
 def test_the_hash_function_comes_only_from_the_xxh3_binding(native: FileIO, tmp_path: Path) -> None:
-    """The native calls hash with the capsule kvstore._xxh3batch.function() hands out (the
+    """The native calls hash with the capsule kvstore._native._xxh3batch.function() hands out (the
     self-tested binding); any other object is refused before a file is created."""
     import importlib  # noqa: PLC0415 - the C modules, by name as kvstore imports them
 
     from kvstore.checksum import native_xxh3_capsule  # noqa: PLC0415
 
-    proto: Any = importlib.import_module("kvstore._fileproto")
+    proto: Any = importlib.import_module("kvstore._native._fileproto")
     capsule = native_xxh3_capsule()
-    assert "kvstore._xxh3batch.XXH3_64bits" in repr(capsule)
+    assert "kvstore._native._xxh3batch.XXH3_64bits" in repr(capsule)
     segments = [(0, memoryview(bytes(CHUNK)))]
     sums = np.zeros(1, dtype=np.uint64)
     path = str(tmp_path / "f")

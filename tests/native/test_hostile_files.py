@@ -132,7 +132,7 @@ class ClearingIndex:
 
 
 def test_native_exists_many_snapshots_its_paths(tmp_path: Path) -> None:
-    """kvstore._fileproto.exists_many([evil, file]) where evil's __fspath__ clears the list
+    """kvstore._native._fileproto.exists_many([evil, file]) where evil's __fspath__ clears the list
     probes both names as they were: [0, 1] (formerly: a use-after-free, SIGSEGV)."""
     native = _native_module()
     (tmp_path / "there").write_bytes(b"x")
@@ -285,7 +285,7 @@ def test_misaligned_hashing_sums_are_refused(impl: str, op: str, tmp_path: Path)
 
 
 def test_misaligned_xxh3_batch_out_is_refused() -> None:
-    """kvstore._xxh3batch.sums with ``out`` one byte off an 8-byte boundary is ValueError
+    """kvstore._native._xxh3batch.sums with ``out`` one byte off an 8-byte boundary is ValueError
     naming out (formerly it is accepted)."""
     _require_native()
     sums = checksum._native_sums()

@@ -1,6 +1,6 @@
-"""Hostile arguments to the native file protocol (kvstore/_fileproto.c, kvstore/_xxh3batch.c)
-and to FileIO's Python reference of the same calls; here the piece batches (publish_pieces,
-read_pieces), the other calls in test_hostile_files.py.
+"""Hostile arguments to the native file protocol (kvstore/_native/fileproto.c,
+kvstore/_native/xxh3batch.c) and to FileIO's Python reference of the same calls; here the piece
+batches (publish_pieces, read_pieces), the other calls in test_hostile_files.py.
 
 Every entry point validates every argument before it touches memory or the file system: a bad
 argument is ValueError (bad geometry, offsets, lengths, alignment; pieces outside their span,

@@ -1,4 +1,4 @@
-"""The native xxh3 batch (kvstore/_xxh3batch.c through kvstore.checksum): the same values as
+"""The native xxh3 batch (kvstore/_native/xxh3batch.c through kvstore.checksum): the same values as
 python-xxhash for every shape of input, every bound checked, and the per-chunk fallback when
 it cannot be bound."""
 
@@ -25,7 +25,8 @@ def _native_module() -> ModuleType:
     why = checksum.native_batch_unavailable()
     if why is not None:
         pytest.skip(f"native xxh3 batch not active: {why}")
-    return import_extension("kvstore._xxh3batch")  # the module bound (KVSTORE_NATIVE_DIR too)
+    # the module bound (KVSTORE_NATIVE_DIR too)
+    return import_extension("kvstore._native._xxh3batch")
 
 
 def _reference(data: bytes | memoryview, chunk_nbytes: int, count: int, stride: int) -> list[int]:
@@ -239,7 +240,7 @@ def test_fallback_when_the_symbol_is_missing(
     assert why == "dlsym(XXH3_64bits): undefined symbol"
     lines = [r.getMessage() for r in caplog.records if r.name == "kvstore.native"]
     assert lines == [
-        "kvstore._xxh3batch unavailable: dlsym(XXH3_64bits): undefined symbol; "
+        "kvstore._native._xxh3batch unavailable: dlsym(XXH3_64bits): undefined symbol; "
         "using python-xxhash per chunk (the same values)"
     ]
 
@@ -290,8 +291,8 @@ def test_binder_reports_an_unbuilt_extension(monkeypatch: pytest.MonkeyPatch) ->
     real = importlib.import_module
 
     def no_extension(name: str, package: str | None = None) -> ModuleType:
-        if name == "kvstore._xxh3batch":
-            raise ImportError("No module named 'kvstore._xxh3batch'")
+        if name == "kvstore._native._xxh3batch":
+            raise ImportError("No module named 'kvstore._native._xxh3batch'")
         return real(name, package)
 
     monkeypatch.delenv("KVSTORE_NATIVE", raising=False)
@@ -303,7 +304,10 @@ def test_binder_reports_an_unbuilt_extension(monkeypatch: pytest.MonkeyPatch) ->
     finally:
         monkeypatch.undo()
         checksum.NATIVE_BATCH.reset()
-    assert why == "extension kvstore._xxh3batch not built (No module named 'kvstore._xxh3batch')"
+    assert why == (
+        "extension kvstore._native._xxh3batch not built "
+        "(No module named 'kvstore._native._xxh3batch')"
+    )
 
 
 @pytest.mark.parametrize("order", ["<u8", ">u8"])

@@ -1,4 +1,4 @@
-/* kvstore._xxh3batch: xxh3_64 of many chunks of one buffer in one call, without the GIL.
+/* kvstore._native._xxh3batch: xxh3_64 of many chunks of one buffer in one call, without the GIL.
  *
  * This module holds no hash implementation. bind() finds python-xxhash's own XXH3 entry
  * point (xxHash's public C API, exported by python-xxhash's extension module) with
@@ -10,12 +10,13 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "native_common.h"
+
 #include <dlfcn.h>
 #include <stdint.h>
 #include <string.h>
 
 /* XXH64_hash_t XXH3_64bits(const void *input, size_t length): xxHash's public signature. */
-typedef uint64_t (*xxh3_64_fn)(const void *input, size_t length);
 
 /* Written only with the GIL held (bind); sums() copies it to a local before releasing the
  * GIL, so a concurrent bind never changes the function under a running loop. Handles are
@@ -54,9 +55,8 @@ xxh3batch_bind(PyObject *Py_UNUSED(module), PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* The capsule name of function(): kvstore/_fileproto.c takes the hash function this way, so
+/* The capsule name of function(): kvstore/_native/fileproto.c takes the hash function this way, so
  * the one binding above (and its self-test in kvstore/checksum.py) serves both modules. */
-#define XXH3_CAPSULE_NAME "kvstore._xxh3batch.XXH3_64bits"
 
 static PyObject *
 xxh3batch_function(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
@@ -77,27 +77,6 @@ xxh3batch_is_bound(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
     return PyBool_FromLong(bound_fn != NULL);
 }
 
-/* A native-endian uint64 element format of the buffer protocol (struct module codes). */
-static int
-is_uint64_format(const char *format, Py_ssize_t itemsize)
-{
-    if (itemsize != 8 || format == NULL) {
-        return 0;
-    }
-    if (format[0] == '@' || format[0] == '=') {
-        format++;
-    }
-#if PY_LITTLE_ENDIAN
-    else if (format[0] == '<') {
-        format++;
-    }
-#else
-    else if (format[0] == '>' || format[0] == '!') {
-        format++;
-    }
-#endif
-    return (strcmp(format, "Q") == 0 || (sizeof(unsigned long) == 8 && strcmp(format, "L") == 0));
-}
 
 /* Replace the buffer protocol's error (e.g. "Object is not writable.") by one naming the
  * argument, what it must be and what arrived. */
@@ -215,7 +194,7 @@ static PyMethodDef xxh3batch_methods[] = {
      "library at `path`; OSError if it cannot be opened or lacks the symbol."},
     {"function", xxh3batch_function, METH_NOARGS,
      "function() -> capsule: the bound XXH3_64bits-signature function, as a PyCapsule named "
-     "'" XXH3_CAPSULE_NAME "' (kvstore._fileproto hashes with it); RuntimeError before a "
+     "'" XXH3_CAPSULE_NAME "' (kvstore._native._fileproto hashes with it); RuntimeError before a "
      "successful bind(). The capsule stays valid for the process's life (handles are never "
      "closed)."},
     {"is_bound", xxh3batch_is_bound, METH_NOARGS, "is_bound() -> bool: has bind() succeeded."},
@@ -229,7 +208,7 @@ static PyMethodDef xxh3batch_methods[] = {
 
 static struct PyModuleDef xxh3batch_module = {
     PyModuleDef_HEAD_INIT,
-    "kvstore._xxh3batch",
+    "kvstore._native._xxh3batch",
     "xxh3_64 of many chunks in one call without the GIL, through python-xxhash's exported "
     "XXH3 function (see kvstore/checksum.py).",
     -1,

@@ -1,4 +1,4 @@
-/* kvstore._fileproto: the per-file protocol of one block file in one call, without the GIL.
+/* kvstore._native._fileproto: the per-file protocol of one block file in one call, without the GIL.
  *
  * Each function does what kvstore/io/fileio.py's Python reference of the same name does with
  * FileIO's primitives (open, pwritev, preadv, fcntl, ftruncate, fstat, futimens, fdatasync,
@@ -21,6 +21,8 @@
 #define _GNU_SOURCE
 #endif
 #include <Python.h>
+
+#include "native_common.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -290,9 +292,7 @@ run_end(segment *segs, Py_ssize_t first, Py_ssize_t limit)
 /* -- checksums computed as the bytes pass (write_new_hashed, read_regular_hashed) ---------- */
 
 /* XXH64_hash_t XXH3_64bits(const void *input, size_t length), handed over by
- * kvstore._xxh3batch.function() as a capsule: the one binding of python-xxhash's function. */
-typedef uint64_t (*xxh3_64_fn)(const void *input, size_t length);
-#define XXH3_CAPSULE_NAME "kvstore._xxh3batch.XXH3_64bits"
+ * kvstore._native._xxh3batch.function() as a capsule: the one binding of python-xxhash's function. */
 /* Most parts (pieces of segments) in one group: kvstore/io/fileio.py's hash_groups keeps the
  * same bound, so both cut a run into the same groups (the same short-read words). */
 #define GROUP_PARTS 64
@@ -305,28 +305,6 @@ typedef struct {
     uint64_t *sums;           /* one native uint64 per chunk of those segments, in order */
 } hashing;
 
-/* A native-endian uint64 element format of the buffer protocol (struct module codes), as
- * kvstore/_xxh3batch.c accepts for its `out`. */
-static int
-is_uint64_format(const char *format, Py_ssize_t itemsize)
-{
-    if (itemsize != 8 || format == NULL) {
-        return 0;
-    }
-    if (format[0] == '@' || format[0] == '=') {
-        format++;
-    }
-#if PY_LITTLE_ENDIAN
-    else if (format[0] == '<') {
-        format++;
-    }
-#else
-    else if (format[0] == '>' || format[0] == '!') {
-        format++;
-    }
-#endif
-    return (strcmp(format, "Q") == 0 || (sizeof(unsigned long) == 8 && strcmp(format, "L") == 0));
-}
 
 /* Fill *h from the arguments (the capsule, the range, the geometry and `sums`, acquired into
  * *sums_view, which the caller releases); -1 with ValueError/TypeError on bad input. */
@@ -1646,7 +1624,7 @@ static PyMethodDef fileproto_methods[] = {
      "chunk_nbytes, group_nbytes, sums, xxh3) -> fd: write_new, with segments [first, last) "
      "(whole chunks of chunk_nbytes) written first, group by group (file-contiguous runs of at "
      "most group_nbytes), each group's chunks hashed with the capsule `xxh3` "
-     "(kvstore._xxh3batch.function()) into the next values of the writable uint64 buffer "
+     "(kvstore._native._xxh3batch.function()) into the next values of the writable uint64 buffer "
      "`sums` just before its pwritev; then the other segments in order. With O_DIRECT the "
      "hashed segments must come before buffered_from."},
     {"read_regular_hashed", fileproto_read_regular_hashed, METH_VARARGS,
@@ -1698,7 +1676,7 @@ static PyMethodDef fileproto_methods[] = {
 
 static struct PyModuleDef fileproto_module = {
     PyModuleDef_HEAD_INIT,
-    "kvstore._fileproto",
+    "kvstore._native._fileproto",
     "The per-file protocol of one block file in one call without the GIL (see "
     "kvstore/io/fileproto.py).",
     -1,
