@@ -4,22 +4,25 @@ vLLM 0.32.x and 0.33.x (their differences: :mod:`connector.compat`).
 
 Entry points (loaded by vLLM by name; see docs/vllm.md):
 
-* :class:`connector.vllm_connector.KVStoreConnector` - ``"kv_connector": "KVStoreConnector"``,
-  ``"kv_connector_module_path": "connector"``: vLLM's OffloadingConnector plus load-failure
-  reporting;
-* :class:`connector.spec.KVStoreSpec` - ``"spec_name": "KVStoreSpec"``,
+* :class:`connector.offload.vllm_connector.KVStoreConnector` - ``"kv_connector":
+  "KVStoreConnector"``, ``"kv_connector_module_path": "connector"``: vLLM's
+  OffloadingConnector plus load-failure reporting; both modes load through it (it hands
+  vLLM's engine facts to the spec vLLM builds);
+* :class:`connector.offload.spec.KVStoreSpec` - ``"spec_name": "KVStoreSpec"``,
   ``"spec_module_path": "connector"`` in ``kv_connector_extra_config``;
 * :func:`kv_transfer_config` - the ``--kv-transfer-config`` object for a store root;
 * :class:`connector.tier.KVStoreTier` - ``{"type": "KVStoreTier", "module_path":
   "connector.tier", ...}`` in ``secondary_tiers`` of vLLM 0.33's ``TieringOffloadingSpec``
   (the store behind vLLM's CPU tier; :mod:`connector.tier`).
 
-Modules: ``config`` (connector keys), ``facts`` (what is read from vLLM's configs),
-``identity`` (namespace identity, OffloadKey mapping), ``rank`` (parallel layout and tensor
-form of a worker), ``transfer_specs`` (the picklable load/store job specs the scheduler sends
-the workers), ``manager`` (scheduler side), ``worker`` / ``executor`` (the job threads) /
-``streams`` (worker side), ``spec`` and ``vllm_connector`` (what vLLM loads), ``compat``
-(what differs between vLLM versions), ``tier`` (the secondary tier: its own modules).
+Two modes, one package each, neither importing the other (lint-imports): ``offload`` (the
+direct mode: kvstore's own ``OffloadingSpec``; its modules: :mod:`connector.offload`) and
+``tier`` (the secondary tier: :mod:`connector.tier`). Shared by both: ``config`` (connector
+keys), ``facts`` (what is read from vLLM's configs), ``identity`` (namespace identity,
+OffloadKey mapping), ``keys`` (a block's parent key in its request), ``rank`` (parallel
+layout and tensor form of a worker), ``store`` (opening the store), ``compat`` (what differs
+between vLLM versions). ``spec`` and ``vllm_connector`` are aliases of their
+:mod:`connector.offload` modules, kept for configs naming those older module paths.
 
 The library (``kvstore``) never imports vLLM; this package holds every vLLM import of the
 project. Importing ``connector`` itself does not import vLLM (entry points resolve lazily).
@@ -30,8 +33,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from connector.spec import KVStoreSpec
-    from connector.vllm_connector import KVStoreConnector
+    from connector.offload.spec import KVStoreSpec
+    from connector.offload.vllm_connector import KVStoreConnector
 
 CONNECTOR_NAME = "KVStoreConnector"
 SPEC_NAME = "KVStoreSpec"
@@ -68,11 +71,11 @@ def kv_transfer_config(root: str, **options: Any) -> dict[str, Any]:
 
 def __getattr__(name: str) -> Any:
     if name == "KVStoreConnector":
-        from connector.vllm_connector import KVStoreConnector  # noqa: PLC0415 - lazy: imports vLLM
+        from connector.offload.vllm_connector import KVStoreConnector  # noqa: PLC0415 - lazy: imports vLLM
 
         return KVStoreConnector
     if name == "KVStoreSpec":
-        from connector.spec import KVStoreSpec  # noqa: PLC0415 - lazy: imports vLLM
+        from connector.offload.spec import KVStoreSpec  # noqa: PLC0415 - lazy: imports vLLM
 
         return KVStoreSpec
     raise AttributeError(f"module 'connector' has no attribute {name!r}")

@@ -9,16 +9,16 @@ and given a behaviour that is correct on all of them (docs/vllm.md, "Supported v
   ever called from the scheduler thread, so no lock is needed.
 * ``OffloadingManager.on_reset_flushed`` (0.33): called once every worker reported the jobs in
   flight at a prefix-cache reset. 0.32 never calls it, so the connector keeps that fence itself
-  (:data:`VLLM_REPORTS_RESET_FLUSH` false: :class:`connector.vllm_connector.KVStoreConnector`
+  (:data:`VLLM_REPORTS_RESET_FLUSH` false: :class:`connector.KVStoreConnector`
   counts the workers' reports of the store jobs in flight at the reset).
 * ``expedited`` loads and ``sync_load_budget_bytes`` (0.33): synchronous loads inside the step.
   0.32 has neither (:data:`VLLM_HAS_SYNC_LOADS`); the key is refused there when > 0.
 * ``config_info`` / ``config_info_keys`` (0.33, the ``vllm:kv_offload_config_info`` metric):
-  kvstore fills its labels (:data:`connector.metrics.CONFIG_INFO_KEYS`); 0.32 never calls
+  kvstore fills its labels (:data:`connector.offload.metrics.CONFIG_INFO_KEYS`); 0.32 never calls
   either and has no such series, so nothing needs detecting.
 * ``DevicePointers`` (0.34): ``submit_store`` / ``submit_load`` get the job's GPU side as
   resolved device pointers instead of a ``GPULoadStoreSpec``; positions and meaning are the
-  same. :class:`connector.job_blocks.BlockResolver` takes either (it tells them apart by the
+  same. :class:`connector.offload.job_blocks.BlockResolver` takes either (it tells them apart by the
   object, so nothing needs a flag here).
 * ``OffloadingWorkerMetadata.failed_jobs`` (0.34, :data:`VLLM_REPORTS_FAILED_JOBS`): a
   ``TransferResult`` with ``success=False`` is a failed job (a failed load recomputes its

@@ -3,7 +3,7 @@
 vLLM hands an ``OffloadingSpec`` only an ``OffloadingConfig``, which lacks facts the store
 identity and the parallel mapping need: the prefix-hash algorithm, the model revision, the
 KV head count of the whole model, each group's attention kind and head geometry, the
-DCP/PCP interleave, the load-failure policy. :class:`connector.vllm_connector.KVStoreConnector`
+DCP/PCP interleave, the load-failure policy. :class:`connector.KVStoreConnector`
 reads them from ``VllmConfig`` / ``KVCacheConfig`` here (:func:`engine_facts`) and hands them
 to the spec it is about to build through :func:`provide` (a context variable scoped to the
 connector's constructor). A spec built any other way finds no facts and refuses to start.

@@ -5,11 +5,11 @@ and the number of blocks per offloaded group). vLLM 0.34 resolves it once into
 ``DevicePointers`` (``pointer_utils.resolve_device_pointers``): for each group, for each of the
 group's data refs, for each block, the address ``tensor.data_ptr() + block * row stride`` and
 the ref's page size. kvstore's engines work on rows of the KV tensors registered at start-up
-(:func:`connector.worker.build_worker`), so :class:`BlockResolver` turns the pointers back into
-those rows, and checks on the way that every pointer is the start of a row of the tensor its
-data ref names, with that ref's page size, and that all refs of a group name the same rows:
-a pointer that is not exactly a KV page of this worker fails the job, it is never read or
-written.
+(:func:`connector.offload.worker.build_worker`), so :class:`BlockResolver` turns the pointers
+back into those rows, and checks on the way that every pointer is the start of a row of the
+tensor its data ref names, with that ref's page size, and that all refs of a group name the
+same rows: a pointer that is not exactly a KV page of this worker fails the job, it is never
+read or written.
 """
 
 from __future__ import annotations

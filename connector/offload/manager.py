@@ -24,14 +24,14 @@ return futures, which the scheduler thread applies at its next call).
 * ``reset_cache`` drops the in-memory view only: the store is persistent and shared. Blocks
   pending at a reset are aborted once the workers reported their jobs (``abort_orphans``).
 
-Operating it (docs/metrics.md): ``get_stats`` reports :mod:`connector.metrics` (each block
-counted once, here, whatever the TP size: the workers' failure reports of one block are merged
-into one cause before the job completes), ``take_events`` the blocks published and found gone
-(:mod:`connector.events`), ``config_info`` (vLLM 0.33) the static settings. ``prepare_store``
-applies admission (``admit_after``, :mod:`connector.admission`) and backpressure: blocks whose
-bytes would take the blocks offered and not yet published past ``max_pending_store_bytes`` are
-dropped (with the rest of that request's batch: a block without its parent is not found by
-prefix lookups), never waited for.
+Operating it (docs/metrics.md): ``get_stats`` reports :mod:`connector.offload.metrics` (each
+block counted once, here, whatever the TP size: the workers' failure reports of one block are
+merged into one cause before the job completes), ``take_events`` the blocks published and found
+gone (:mod:`connector.offload.events`), ``config_info`` (vLLM 0.33) the static settings.
+``prepare_store`` applies admission (``admit_after``, :mod:`connector.offload.admission`) and
+backpressure: blocks whose bytes would take the blocks offered and not yet published past
+``max_pending_store_bytes`` are dropped (with the rest of that request's batch: a block without
+its parent is not found by prefix lookups), never waited for.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -59,13 +58,14 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from connector import metrics as m
-from connector.admission import Admission
 from connector.config import ConnectorConfig
-from connector.events import StoreEvents
 from connector.identity import KeyMap
-from connector.metrics import StoreMetrics
-from connector.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
+from connector.keys import parent_key
+from connector.offload import metrics as m
+from connector.offload.admission import Admission
+from connector.offload.events import StoreEvents
+from connector.offload.metrics import StoreMetrics
+from connector.offload.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
 from kvstore import KVStore, Namespace, PendingBlock, WriteStatus
 from kvstore.checksum import checksum_id
 
@@ -84,37 +84,6 @@ class _Looked:
     """Per request: keys whose lookup answer was counted."""
 
     keys: set[bytes] = field(default_factory=set)
-
-
-@dataclass
-class _ParentIndex:
-    """Per request: (vLLM group id, end token) -> key, to find a block's parent."""
-
-    by_end: dict[tuple[int, int], bytes] = field(default_factory=dict)
-    seen: int = 0  # entries of the request's key-position table already indexed
-
-
-def parent_key(key: bytes, req_context: ReqContext, tokens_per_block: int) -> bytes | None:
-    """The key of the same vLLM group that ends ``tokens_per_block`` tokens before ``key`` in
-    the request (its parent block), None for a first block or a key the request lacks.
-
-    Shared by the direct connector and the secondary tier (connector.tier); indexed once per
-    request (a :class:`_ParentIndex` in the request's state), then only the new entries."""
-    end = req_context.get_offload_key_position(OffloadKey(key))
-    if end is None or end <= tokens_per_block:
-        return None
-    index = req_context.get_state(_ParentIndex)
-    if index is None:
-        index = _ParentIndex()
-        req_context.set_state(index)
-    # vLLM (0.32, 0.33) records every key's end token in this table (ReqContext has no public
-    # iterator); index the entries added since the last call.
-    positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
-    if len(positions) > index.seen:  # the table only grows, in insertion order
-        for k, pos in islice(positions.items(), index.seen, None):
-            index.by_end[(int.from_bytes(k[-4:], "big"), pos)] = bytes(k)
-        index.seen = len(positions)
-    return index.by_end.get((int.from_bytes(key[-4:], "big"), end - tokens_per_block))
 
 
 class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
@@ -385,7 +354,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
     ) -> None:
         """Worker reports (before ``complete_store`` / ``complete_load`` of their job): what
         must not be published, and keys whose file turned out missing or corrupt. ``causes``
-        (:mod:`connector.metrics` cause per key, merged over the ranks) says why; a key
+        (:mod:`connector.offload.metrics` cause per key, merged over the ranks) says why; a key
         without one counts as an I/O error."""
         causes = causes or {}
         stores = {bytes(k) for k in failed_store_keys} & self._pending.keys()
@@ -506,7 +475,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         (temporary files removed) once every worker reported those jobs
         (:meth:`abort_orphans`), since until then a worker may still be writing: vLLM 0.33
         says so with :meth:`on_reset_flushed`; under 0.32, which never calls it,
-        :class:`connector.vllm_connector.KVStoreConnector` counts the reports itself.
+        :class:`connector.offload.vllm_connector.KVStoreConnector` counts the reports itself.
         """
         self._present.clear()
         self._absent.clear()
@@ -547,7 +516,8 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         return stats if self.metrics.take(stats) else None
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """Blocks published by this engine and blocks found gone (:mod:`connector.events`)."""
+        """Blocks published by this engine and blocks found gone
+        (:mod:`connector.offload.events`)."""
         return self.events.take()
 
     def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:

@@ -3,58 +3,39 @@
 vLLM builds the spec in the scheduler process and in every worker process
 (``OffloadingSpecFactory.create_spec``), so ``__init__`` only parses and checks, with no
 I/O: the connector keys (:class:`connector.config.ConnectorConfig`), the engine facts handed
-over by :class:`connector.vllm_connector.KVStoreConnector`, the namespace identity
+over by :class:`connector.offload.vllm_connector.KVStoreConnector`, the namespace identity
 (:mod:`connector.identity`). Every refusal is a :class:`kvstore.ConfigError` at startup.
 
 ``get_manager`` (scheduler) and ``get_worker`` (each worker) open the store and the namespace
-(creating them on first use) and build :class:`connector.manager.KVStoreManager` /
-:class:`connector.worker.KVStoreWorker`.
+(creating them on first use) and build :class:`connector.offload.manager.KVStoreManager` /
+:class:`connector.offload.worker.KVStoreWorker`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingMetricMetadata, OffloadingSpec
 
+import connector.store
 from connector import compat
-from connector import metrics as kvstore_metrics
 from connector.config import ConnectorConfig
 from connector.facts import current
 from connector.identity import derive_identity
-from connector.manager import KVStoreManager
+from connector.offload import metrics as kvstore_metrics
+from connector.offload.manager import KVStoreManager
+from connector.offload.worker import KVStoreWorker, build_worker
 from connector.rank import rank_context
-from connector.worker import KVStoreWorker, build_worker
-from kvstore import ConfigError, Identity, KVStore, Namespace, StoreConfig, StoreFormatError
+from kvstore import ConfigError, Identity, KVStore, Namespace
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.config import OffloadingConfig
 
 log = logging.getLogger("kvstore.connector")
-
-
-def open_store(config: StoreConfig, wait_s: float = 10.0) -> KVStore:
-    """Open (or create) the store at ``config.root``. One place, so tests can inject faults.
-
-    The workers of an engine open the store concurrently at startup. While one of them
-    creates a new store, its temporary ``zarr.json`` makes the root look like a foreign,
-    non-empty directory to the others for a moment: they wait for the document (up to
-    ``wait_s``) instead of failing.
-    """
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return KVStore(config)
-        except StoreFormatError:
-            if time.monotonic() > deadline or not _being_created(config.root):
-                raise
-            time.sleep(0.02)
 
 
 def _say_other_block_spans(store: KVStore, identity: Identity) -> None:
@@ -88,14 +69,6 @@ def _say_other_block_spans(store: KVStore, identity: Identity) -> None:
         ours,
         spans[0][0],
     )
-
-
-def _being_created(root: Path) -> bool:
-    try:
-        names = [p.name for p in Path(root).iterdir()]
-    except OSError:
-        return False
-    return bool(names) and all(n.startswith(".zarr.json.tmp-") for n in names)
 
 
 class KVStoreSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
@@ -190,7 +163,7 @@ class KVStoreSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]  # Any w
     def _open(self, say_other_spans: bool = False) -> tuple[KVStore, Namespace]:
         """The store and this server's namespace; with ``say_other_spans`` (the scheduler, once)
         one line if the store holds this model at other block spans."""
-        store = open_store(self.options.store)
+        store = connector.store.open_store(self.options.store)  # tests inject faults
         try:
             namespace = store.namespace(self.identity)
             if say_other_spans:

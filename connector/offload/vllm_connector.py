@@ -4,7 +4,7 @@ vLLM's offloading worker asserts (0.32, 0.33) that every transfer succeeded, so 
 corrupt block would crash the engine; 0.34 takes failed jobs, but only request-level. This
 subclass changes nothing else; it
 
-* hands the engine facts to :class:`connector.spec.KVStoreSpec` while vLLM builds it, and
+* hands the engine facts to :class:`connector.offload.spec.KVStoreSpec` while vLLM builds it, and
   vLLM's typed layer views to it before the worker is built;
 * reports the GPU blocks of failed loads through ``get_block_ids_with_load_errors`` (with
   ``kv_load_failure_policy="recompute"`` vLLM recomputes from the first failed block). vLLM
@@ -53,10 +53,10 @@ if TYPE_CHECKING:
 from connector import SPEC_NAME, compat
 from connector.compat import manager_lock
 from connector.facts import engine_facts, provide
-from connector.manager import KVStoreManager
-from connector.metrics import merge_causes
-from connector.spec import KVStoreSpec
-from connector.worker import KVStoreWorker
+from connector.offload.manager import KVStoreManager
+from connector.offload.metrics import merge_causes
+from connector.offload.spec import KVStoreSpec
+from connector.offload.worker import KVStoreWorker
 from kvstore import StoreConfig
 
 
@@ -66,7 +66,7 @@ class KVStoreWorkerMetadata(OffloadingWorkerMetadata):  # type: ignore[misc, unu
 
     failed_store_keys: list[bytes] = field(default_factory=list)
     failed_load_keys: list[bytes] = field(default_factory=list)
-    # why each failed (connector.metrics causes); the worse cause wins across ranks
+    # why each failed (connector.offload.metrics causes); the worse cause wins across ranks
     failure_causes: dict[bytes, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:

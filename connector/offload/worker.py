@@ -12,11 +12,12 @@
   them into its pages (:meth:`RankIO.load`); ``wait`` returns only when the bytes are on the
   device.
 * The job's GPU side comes as vLLM's ``GPULoadStoreSpec`` (0.32, 0.33) or its resolved
-  ``DevicePointers`` (0.34); :class:`connector.job_blocks.BlockResolver` names the rows of the
-  registered KV tensors either way, and refuses pointers that are not this worker's pages.
+  ``DevicePointers`` (0.34); :class:`connector.offload.job_blocks.BlockResolver` names the rows
+  of the registered KV tensors either way, and refuses pointers that are not this worker's
+  pages.
 * Every job is reported by ``get_finished``, empty ones included. vLLM 0.32 and 0.33 assert
   that transfers succeed, so there every job is a success and what failed is kept for the
-  connector (:class:`connector.vllm_connector.KVStoreConnector`) to report: GPU block ids of
+  connector (:class:`connector.offload.vllm_connector.KVStoreConnector`) to report: GPU block ids of
   failed loads (``get_block_ids_with_load_errors``), requests whose load failed (multi-group
   models). vLLM 0.34 takes failed jobs: a load whose blocks all failed, or any failed load of
   a multi-group model, is reported ``success=False`` and vLLM recomputes the request
@@ -44,14 +45,14 @@ import torch
 from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadingWorker, TransferResult
 
 from connector import compat
-from connector.executor import EXPEDITED, LOAD, STORE, PriorityExecutor
 from connector.facts import EngineFacts
 from connector.identity import KeyMap
-from connector.job_blocks import BlockResolver, JobBlocks
-from connector.metrics import error_cause, merge_causes, read_cause
+from connector.offload.executor import EXPEDITED, LOAD, STORE, PriorityExecutor
+from connector.offload.job_blocks import BlockResolver, JobBlocks
+from connector.offload.metrics import error_cause, merge_causes, read_cause
+from connector.offload.streams import PASSED, AllOf, EventFence, Fence, Streams, streams_for
+from connector.offload.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
 from connector.rank import RankContext, certify, check_mapping, family_of, group_tensors
-from connector.streams import PASSED, AllOf, EventFence, Fence, Streams, streams_for
-from connector.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
 from kvstore import Identity, KVStore, LayoutError, Namespace
 from kvstore.rank_io import RankIO, StagedShares
 from kvstore.store.types import PendingBlock, ReadStatus
@@ -131,7 +132,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         self._failed_load_requests: set[str] = set()
         self._failed_store_keys: list[bytes] = []
         self._failed_load_keys: list[bytes] = []
-        self._failure_causes: dict[bytes, str] = {}  # failed key -> connector.metrics cause
+        self._failure_causes: dict[bytes, str] = {}  # failed key -> connector.offload.metrics cause
         # TEST ONLY (tests/e2e negative control): zero every verified page after loading it,
         # to show that the loaded bytes are what the engine computes with.
         self._perturb_loads = os.environ.get(PERTURB_LOADS_ENV) == "1"
@@ -141,7 +142,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
     # -- vLLM's OffloadingWorker ---------------------------------------------------------------
 
     def submit_store(self, job_id: int, src: Any, dst_spec: LoadStoreSpec) -> bool:
-        """``src``: the job's GPU blocks as vLLM gives them (:mod:`connector.job_blocks`)."""
+        """``src``: the job's GPU blocks as vLLM gives them (:mod:`.job_blocks`)."""
         started = time.monotonic()
         keys: Sequence[bytes] = getattr(dst_spec, "keys", ())
         try:
@@ -172,7 +173,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         dst: Any,
         expedited: bool = False,
     ) -> bool:
-        """``dst``: the job's GPU blocks as vLLM gives them (:mod:`connector.job_blocks`)."""
+        """``dst``: the job's GPU blocks as vLLM gives them (:mod:`.job_blocks`)."""
         started = time.monotonic()
         keys: Sequence[bytes] = getattr(src_spec, "keys", ())
         req_id = str(getattr(src_spec, "req_id", ""))
@@ -279,7 +280,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         return out
 
     def take_failure_causes(self) -> dict[bytes, str]:
-        """Why each key of :meth:`take_failed_keys` failed (:mod:`connector.metrics` causes)."""
+        """Why each key of :meth:`take_failed_keys` failed (:mod:`.metrics` causes)."""
         out, self._failure_causes = self._failure_causes, {}
         return out
 

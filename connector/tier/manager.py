@@ -33,7 +33,7 @@ once (tiering/base.py):
   :mod:`connector.tier.config`).
 
 The engine facts the namespace identity needs (hash algorithm, KV heads, group kinds) come from
-:class:`connector.vllm_connector.KVStoreConnector`, as for the direct connector: load the
+:class:`connector.KVStoreConnector`, as for the direct connector: load the
 tiering spec through it (docs/vllm.md).
 """
 
@@ -63,12 +63,12 @@ from vllm.v1.kv_offload.tiering.backpressure import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-import connector.spec
+import connector.store
 from connector import compat
 from connector.config import ConnectorConfig
 from connector.facts import current
 from connector.identity import GROUP_ID_BYTES, derive_identity
-from connector.manager import parent_key
+from connector.keys import parent_key
 from connector.tier.chunks import ChunkGeometry, ChunkMap, build_chunk_map, rows_of
 from connector.tier.config import TierConfig
 from connector.tier.jobs import JobRunner, Outcome
@@ -148,7 +148,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         )
         self.chunks = build_chunk_map(rows_of(primary_kv_view), self.identity, facts, self.geometry)
         try:
-            self.store = connector.spec.open_store(self.options.store)  # tests inject faults
+            self.store = connector.store.open_store(self.options.store)  # tests inject faults
         except BaseException:
             self.chunks.release()  # vLLM releases the CPU tier's view after a failed start
             raise

@@ -68,9 +68,9 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 import connector
-from connector.manager import KVStoreManager
-from connector.vllm_connector import KVStoreConnector
-from connector.worker import KVStoreWorker
+from connector.offload.manager import KVStoreManager
+from connector.offload.vllm_connector import KVStoreConnector
+from connector.offload.worker import KVStoreWorker
 
 # vLLM 0.34 hands the offloading worker resolved device pointers, not GPU block ids.
 VLLM_PASSES_POINTERS = hasattr(offload_base, "DevicePointers")

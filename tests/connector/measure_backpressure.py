@@ -32,8 +32,8 @@ from typing import Any
 
 import pytest
 
-import connector.spec
-from connector import metrics as m
+import connector.store
+from connector.offload import metrics as m
 from kvstore import KVStore
 
 from .disks import TempWrites
@@ -67,7 +67,7 @@ class PacedDisk(TempWrites):
 def run(root: Path, requests: int, rate: float, bound: int) -> dict[str, Any]:
     disk = PacedDisk(rate)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(connector.spec, "open_store", lambda config: KVStore(config, fio=disk))
+        patch.setattr(connector.store, "open_store", lambda config: KVStore(config, fio=disk))
         engine = Engine(
             EngineOptions(
                 root=root,

@@ -13,8 +13,8 @@ pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a sep
 
 from vllm.v1.kv_offload.base import ReqContext
 
-from connector import metrics as m
-from connector.admission import Admission
+from connector.offload import metrics as m
+from connector.offload.admission import Admission
 from kvstore import KVStore, StoreConfig
 
 from .harness import prompt

@@ -17,9 +17,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a separate venv)")
 
-import connector.spec
-from connector import metrics as m
+import connector.store
 from connector.config import ConnectorConfig
+from connector.offload import metrics as m
 from kvstore import KVStore
 
 from .disks import TempWrites
@@ -68,7 +68,7 @@ def test_a_stalled_store_never_holds_the_engine(
     """Every write hangs: requests still finish, pending bytes stay within the bound, and each
     block that did not fit is counted dropped. Released, the admitted blocks are published."""
     disk = StalledDisk()
-    monkeypatch.setattr(connector.spec, "open_store", lambda config: KVStore(config, fio=disk))
+    monkeypatch.setattr(connector.store, "open_store", lambda config: KVStore(config, fio=disk))
     bound = 3 * TINY_BLOCK
     e = engine(monkeypatch, root=tmp_path, extra={"max_pending_store_bytes": bound})
     disk.stalled = True

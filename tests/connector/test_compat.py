@@ -21,8 +21,8 @@ from vllm.v1.kv_offload.base import OffloadingManager
 from vllm.v1.outputs import KVConnectorOutput
 
 from connector import compat
-from connector.manager import KVStoreManager
-from connector.vllm_connector import KVStoreConnector, KVStoreWorkerMetadata
+from connector.offload.manager import KVStoreManager
+from connector.offload.vllm_connector import KVStoreConnector, KVStoreWorkerMetadata
 from kvstore import ConfigError
 from kvstore.store.paths import TMP_MARK
 

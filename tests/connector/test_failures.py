@@ -23,9 +23,9 @@ pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a sep
 
 from vllm.v1.kv_offload.base import make_offload_key
 
-import connector.spec
+import connector.store
 from connector import compat
-from connector.transfer_specs import KVStoreLoadSpec
+from connector.offload.transfer_specs import KVStoreLoadSpec
 from kvstore import KVStore, StoreConfig, StoreFormatError
 from kvstore.store.paths import TMP_MARK
 
@@ -149,7 +149,7 @@ def test_full_disk_drops_stores_and_backs_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     disk = FullDisk()
-    monkeypatch.setattr(connector.spec, "open_store", lambda config: KVStore(config, fio=disk))
+    monkeypatch.setattr(connector.store, "open_store", lambda config: KVStore(config, fio=disk))
     engine = Engine(EngineOptions(root=tmp_path, tp=2))
     disk.full = True
     with caplog.at_level(logging.WARNING):
@@ -184,13 +184,13 @@ def test_workers_opening_a_new_store_together_wait_for_its_creation(tmp_path: Pa
 
     creator = threading.Thread(target=finish_creation)
     creator.start()
-    store = connector.spec.open_store(StoreConfig(root=root))
+    store = connector.store.open_store(StoreConfig(root=root))
     creator.join()
     store.close()
     (root / "stranger.txt").write_text("not a store")
     (root / "zarr.json").unlink()
     with pytest.raises(StoreFormatError, match="non-empty directory"):
-        connector.spec.open_store(StoreConfig(root=root), wait_s=0.1)
+        connector.store.open_store(StoreConfig(root=root), wait_s=0.1)
 
 
 def test_a_job_that_cannot_start_is_reported_not_raised(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
 )
 
-from connector.job_blocks import BlockResolver, JobBlocks
+from connector.offload.job_blocks import BlockResolver, JobBlocks
 from kvstore import LayoutError
 
 from .harness import VLLM_PASSES_POINTERS

@@ -20,9 +20,9 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
-from connector.manager import KVStoreManager
-from connector.transfer_specs import KVStoreStoreSpec
-from connector.worker import KVStoreWorker
+from connector.offload.manager import KVStoreManager
+from connector.offload.transfer_specs import KVStoreStoreSpec
+from connector.offload.worker import KVStoreWorker
 from kvstore.store.paths import TMP_MARK
 
 from .harness import Engine, EngineOptions, gpu_side

@@ -27,9 +27,9 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
-import connector.spec
-from connector import events
-from connector import metrics as m
+import connector.store
+from connector.offload import events
+from connector.offload import metrics as m
 from kvstore import KVStore
 
 from .harness import BLOCK, Engine, EngineOptions, gpu_side, prompt
@@ -147,7 +147,7 @@ def test_a_full_disk_counts_failures_backoff_and_dropped_stores(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     disk = FullDisk()
-    monkeypatch.setattr(connector.spec, "open_store", lambda config: KVStore(config, fio=disk))
+    monkeypatch.setattr(connector.store, "open_store", lambda config: KVStore(config, fio=disk))
     e = engine(monkeypatch, root=tmp_path, tp=2)
     disk.full = True
     with caplog.at_level(logging.WARNING):

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a separate venv)")
 
-from connector import metrics as m
 from connector.config import ConnectorConfig
-from connector.spec import KVStoreSpec
+from connector.offload import metrics as m
+from connector.offload.spec import KVStoreSpec
 from kvstore import ConfigError
 
 BASE = {"spec_name": "KVStoreSpec", "spec_module_path": "connector", "root": "/data/kv"}

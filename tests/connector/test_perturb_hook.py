@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a separate venv)")
 
-from connector.worker import PERTURB_LOADS_ENV
+from connector.offload.worker import PERTURB_LOADS_ENV
 
 from .harness import BLOCK, Engine, EngineOptions
 from .test_roundtrip import PROMPT

@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="the connector tests need vllm==0.33.0 (a sep
 from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
 
 import connector.compat
-import connector.spec
+import connector.store
 import connector.tier.manager
 from connector.tier import KVStoreTier
 from connector.tier.chunks import build_chunk_map, rows_of
@@ -94,7 +94,7 @@ def test_full_disk_fails_store_jobs_and_backpressure_drops_stores(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     disk = FullDisk()
-    monkeypatch.setattr(connector.spec, "open_store", lambda config: KVStore(config, fio=disk))
+    monkeypatch.setattr(connector.store, "open_store", lambda config: KVStore(config, fio=disk))
     engine = TierEngine(EngineOptions(root=tmp_path))
     detector = engine.tier.bp_detector
     assert isinstance(detector, EMABackpressureDetector)  # the default: fs tier's settings

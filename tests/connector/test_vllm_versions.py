@@ -26,9 +26,9 @@ from vllm.v1.kv_offload.base import make_offload_key
 
 import connector
 from connector import compat
-from connector.job_blocks import BlockResolver
-from connector.transfer_specs import KVStoreLoadSpec
-from connector.vllm_connector import KVStoreWorkerMetadata
+from connector.offload.job_blocks import BlockResolver
+from connector.offload.transfer_specs import KVStoreLoadSpec
+from connector.offload.vllm_connector import KVStoreWorkerMetadata
 from kvstore import Identity, KVStore, StoreConfig
 from kvstore.identity import attention_group
 

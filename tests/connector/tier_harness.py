@@ -43,7 +43,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from connector.job_blocks import BlockResolver
+from connector.offload.job_blocks import BlockResolver
 from connector.tier import KVStoreTier, tier_entry
 
 from .harness import Engine, EngineOptions
