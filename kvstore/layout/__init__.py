@@ -1,6 +1,8 @@
 """Canonical page layout: where each byte of a rank's KV pages lives in a stored block.
 
-:mod:`kvstore.layout.parallel` derives the mapping (the only TP/PP/DCP/PCP-aware code);
+:mod:`kvstore.layout.parallel` derives the mapping (with :mod:`~kvstore.layout.parallel_layout`,
+:mod:`~kvstore.layout.geometry`, :mod:`~kvstore.layout.records` and
+:mod:`~kvstore.layout.tiling`, the only TP/PP/DCP/PCP-aware code; it re-exports their names);
 :mod:`kvstore.layout.page` moves bytes by it with torch.
 """
 
