@@ -144,10 +144,17 @@ class GroupStore:
         return self._publisher.write_blocks(writes)
 
     def begin_blocks(
-        self, hashes: Sequence[bytes], parents: Sequence[bytes | None] | None = None
+        self,
+        hashes: Sequence[bytes],
+        parents: Sequence[bytes | None] | None = None,
+        tokens: Sequence[str] | None = None,
     ) -> list[PendingBlock]:
         """:meth:`~kvstore.store.pending.PendingWriter.begin_blocks`."""
-        return self._pending.begin_blocks(hashes, parents)
+        return self._pending.begin_blocks(hashes, parents, tokens)
+
+    def pending_complete(self, pending: PendingBlock) -> bool:
+        """:meth:`~kvstore.store.pending.PendingWriter.is_complete`."""
+        return self._pending.is_complete(pending)
 
     def temp_path(self, pending: PendingBlock) -> str:
         """The temporary file all writers of ``pending`` fill."""

@@ -21,6 +21,7 @@ raw chunks the same way; the committer compresses them before publishing.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Sequence
 
@@ -40,6 +41,8 @@ from kvstore.store.segments import chunk_segments, consecutive_runs, nbytes
 from kvstore.store.types import ChunkWrite, PendingBlock, RangeWrite, WriteResult, WriteStatus
 
 MAX_RANGE_WRITERS = 4096  # completion-marker bytes a pending file may carry past its end
+# A temporary file's token: no dot (temp_path_for's rsync shape), nothing a path could misread.
+_TOKEN = re.compile(r"[0-9a-z_-]{1,64}")
 
 
 class PendingWriter:
@@ -51,12 +54,29 @@ class PendingWriter:
         self._fio = array.fio
 
     def begin_blocks(
-        self, hashes: Sequence[bytes], parents: Sequence[bytes | None] | None = None
+        self,
+        hashes: Sequence[bytes],
+        parents: Sequence[bytes | None] | None = None,
+        tokens: Sequence[str] | None = None,
     ) -> list[PendingBlock]:
-        """Descriptors of new pending blocks (no I/O); hand each to every writer of the block."""
+        """Descriptors of new pending blocks (no I/O); hand each to every writer of the block.
+
+        ``tokens`` name the temporary files. By default each is random, for writers handed the
+        descriptor by one coordinator (vLLM's scheduler). Writers without a coordinator (the
+        ranks of an SGLang server) derive one token per block each, identically, so they meet
+        in one file; see :meth:`is_complete`.
+        """
         array = self.array
         array.check_writable()
         parent_list = parents if parents is not None else [None] * len(hashes)
+        token_list = list(tokens) if tokens is not None else [new_token() for _ in hashes]
+        if len(token_list) != len(hashes):
+            raise KvstoreError(f"begin_blocks: {len(hashes)} hashes but {len(token_list)} tokens")
+        for token in token_list:
+            if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+                raise KvstoreError(
+                    f"pending token: expected 1..64 characters of [0-9a-z_-], got {token!r}"
+                )
         now = time.time_ns()
         return [
             PendingBlock(
@@ -64,11 +84,11 @@ class PendingWriter:
                 group=array.index,
                 block_hash=check_hash(h),
                 parent_hash=check_hash(p) if p is not None else None,
-                token=new_token(),
+                token=t,
                 created_ns=now,
                 checksum_algo=array.checksum_algo,
             )
-            for h, p in zip(hashes, parent_list, strict=True)
+            for h, p, t in zip(hashes, parent_list, token_list, strict=True)
         ]
 
     def temp_path(self, pending: PendingBlock) -> str:
@@ -185,6 +205,28 @@ class PendingWriter:
         items = [(p, c, range_writers) for p, c in zip(pendings, todo, strict=True)]
         results = self.array.engine.map(self._commit_one, items)
         return self.files.finish_writes(results, [p.block_hash for p in pendings])
+
+    def is_complete(self, pending: PendingBlock) -> bool:
+        """Whether every whole-chunk writer of ``pending`` has written (no I/O beyond reading
+        the header; nothing is changed): the file holds a valid header for the key and a
+        checksum in every slot. Writers without a coordinator each ask this after their own
+        write; the one that sees the block complete commits it. False for a missing, short
+        or damaged file: someone is still writing, or it is left for ``kvstore gc``."""
+        layout = self.array.layout
+        header = bytearray(layout.header_nbytes)
+        try:
+            self.array.engine.read_file(
+                self.temp_path(pending),
+                [(0, memoryview(header))],
+                layout.file_nbytes,
+                allow_trailer=True,
+            )
+            raw = check.ShardSpec(layout, self.array.namespace_digest, self.array.index)
+            check.check_header(header, raw, pending.block_hash)
+        except (OSError, KvstoreError):
+            return False
+        slots = fmt.decode_checksums(header, layout.num_chunks)
+        return bool(np.all(slots != 0))
 
     def abort_blocks(self, pendings: Sequence[PendingBlock]) -> None:
         """Remove the temporary files of pending blocks that will not be committed."""

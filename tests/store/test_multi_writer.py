@@ -348,3 +348,37 @@ def test_all_range_writers_reported_publishes_exact_size(make_store: StoreFactor
     status, out = read_whole(a, h)
     assert status is ReadStatus.HIT
     np.testing.assert_array_equal(out, data)
+
+
+def test_writers_without_a_coordinator_meet_by_token(
+    make_store: StoreFactory, small_identity: Identity, root: Path
+) -> None:
+    """Writers that each derive the token themselves fill one file; is_complete says when
+    every chunk is in, reading only (nothing is removed while others still write)."""
+    a, b = writers(make_store, small_identity, 2)
+    h = block_hash(7)
+    data = block_bytes(a.layout, 7)
+    n = a.layout.num_chunks
+    (pa,) = a.begin_blocks([h], tokens=["sg-meet"])
+    (pb,) = b.begin_blocks([h], tokens=["sg-meet"])
+    assert a.temp_path(pa) == b.temp_path(pb)
+    assert not a.pending_complete(pa)  # no file yet
+    first, second = list(range(n // 2)), list(range(n // 2, n))
+    assert a.write_chunks([chunk_write(a, pa, data, first)]) == [None]
+    assert not a.pending_complete(pa) and not b.pending_complete(pb)
+    assert [str(p) for p in tmp_files(root)] == [a.temp_path(pa)]
+    assert b.write_chunks([chunk_write(b, pb, data, second)]) == [None]
+    assert b.pending_complete(pb) and a.pending_complete(pa)
+    (result,) = b.commit_blocks([pb])
+    assert result.status is WriteStatus.WRITTEN
+    status, out = read_whole(a, h)
+    assert status is ReadStatus.HIT and bytes(out) == bytes(data)
+
+
+def test_begin_blocks_checks_tokens(make_store: StoreFactory, small_identity: Identity) -> None:
+    group = make_store().namespace(small_identity).group(0)
+    with pytest.raises(KvstoreError, match="1 hashes but 2 tokens"):
+        group.begin_blocks([block_hash(1)], tokens=["a", "b"])
+    for bad in ["", "a.b", "../x", "A" * 3, "x" * 65]:
+        with pytest.raises(KvstoreError, match="pending token"):
+            group.begin_blocks([block_hash(1)], tokens=[bad])

@@ -1,0 +1,241 @@
+"""One SGLang host pool's pages in its kvstore namespace: lookups, share writes, share reads.
+
+Writes. A rank whose share is the whole block (TP=1, MLA, or heads replicated onto it)
+publishes it alone through the whole-block path (one temporary file, renamed into place).
+Otherwise the ranks of the block meet in one temporary file of the multi-writer protocol
+(docs/design.md, write protocol) without a coordinator: SGLang's ranks never tell each other
+what they stored, so each derives the file's token from the namespace and the key, writes its
+inner chunks with their checksums (fsync'd when the store is durable), then reads the file's
+checksum slots; the writer that finds every slot filled commits the block (the rename never
+replaces a published block, so two writers that both see it complete publish it once). A
+block is visible only once every share is in, and a rank that never writes leaves a temporary
+file that ``kvstore gc`` sweeps.
+
+Reads. A rank reads only its own inner chunks, each verified against its checksum; a missing,
+corrupt, short or foreign block is a miss (a corrupt one is quarantined, so the next lookup
+stops before it), and nothing of it reaches the pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from connector.sglang.pages import PoolGeometry, PoolPages, pool_buffers, pool_geometry
+from connector.sglang.share import RankShare, pool_identity, rank_share
+from connector.sglang.stats import BackendStats
+from kvstore import ConfigError, Identity, KVStore
+from kvstore.keys import MAX_HASH_BYTES, MIN_HASH_BYTES
+from kvstore.store.group_store import GroupStore
+from kvstore.store.types import (
+    BlockRead,
+    BlockWrite,
+    ChunkWrite,
+    PendingBlock,
+    ReadStatus,
+    WriteStatus,
+)
+
+
+def block_hash(key: object) -> bytes | None:
+    """SGLang's page key (hex digits of its SHA-256 chain) as a block hash; None for a key
+    that is not one (a miss, never an exception)."""
+    if not isinstance(key, str):
+        return None
+    try:
+        raw = bytes.fromhex(key)
+    except ValueError:
+        return None
+    return raw if MIN_HASH_BYTES <= len(raw) <= MAX_HASH_BYTES else None
+
+
+class PoolStore:
+    """Moves one rank's share of one host pool's pages to and from its namespace."""
+
+    def __init__(  # noqa: PLR0913 - the store, the pool and what identifies the rank and model
+        self,
+        store: KVStore,
+        name: str,
+        pool: Any,
+        storage: Any,
+        model: str,
+        totals: tuple[int, int],
+    ) -> None:
+        self.name = name
+        self.geometry: PoolGeometry = pool_geometry(pool)
+        self.pages = PoolPages(self.geometry, pool_buffers(pool, self.geometry))
+        num_kv_heads, num_layers = totals
+        start_layer = int(getattr(pool, "start_layer", 0) or 0)
+        self.share: RankShare = rank_share(
+            self.geometry, storage, start_layer, num_kv_heads, num_layers
+        )
+        self.identity: Identity = pool_identity(model, name, self.geometry, self.share)
+        self.group: GroupStore = store.namespace(self.identity).group(0)
+        layout = self.group.layout
+        share_nbytes = len(self.share.chunks) * layout.chunk_nbytes
+        if share_nbytes != self.geometry.share_nbytes:
+            raise ConfigError(
+                f"pool {name}: a share of {len(self.share.chunks)} chunks is {share_nbytes} "
+                f"bytes in the store, {self.geometry.share_nbytes} in the pool"
+            )
+        self._read_chunks = None if self.share.whole else list(self.share.chunks)
+        self._digest = self.group.namespace_digest
+
+    @property
+    def namespace(self) -> str:
+        return self.group.namespace
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def contains(self, hashes: Sequence[bytes | None]) -> list[bool]:
+        """Per key, whether its block is published (one ``stat`` each, batched)."""
+        valid = [i for i, h in enumerate(hashes) if h is not None]
+        found = self.group.contains([hashes[i] for i in valid]) if valid else []  # type: ignore[misc]
+        out = [False] * len(hashes)
+        for i, present in zip(valid, found, strict=True):
+            out[i] = present
+        return out
+
+    def leading(self, hashes: Sequence[bytes | None]) -> int:
+        """How many keys from the start are published."""
+        present = self.contains(hashes)
+        return present.index(False) if False in present else len(present)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def write(
+        self,
+        hashes: Sequence[bytes | None],
+        parents: Sequence[bytes | None],
+        rows: torch.Tensor,
+        stats: BackendStats,
+    ) -> list[bool]:
+        """Write this rank's share rows (uint8 ``(n, share_nbytes)``) of blocks ``hashes``.
+
+        Per key: True once this rank's share is stored (durably when the store is durable)
+        or the block is published already; False otherwise (the reason is logged).
+        """
+        start = time.perf_counter()
+        data = rows.numpy()
+        todo = [i for i, h in enumerate(hashes) if h is not None]
+        done = [False] * len(hashes)
+        if todo:
+            ok = (
+                self._write_whole(hashes, parents, data, todo)
+                if self.share.whole
+                else self._write_shared(hashes, parents, data, todo)
+            )
+            for i, success in zip(todo, ok, strict=True):
+                done[i] = success
+        written = sum(done)
+        nbytes = written * self.geometry.share_nbytes
+        seconds = time.perf_counter() - start
+        stats.add(pages_written=written, write_failures=len(hashes) - written)
+        stats.add(bytes_written=nbytes, write_seconds=seconds)
+        stats.record_io("write", written, nbytes, seconds)
+        return done
+
+    def _write_whole(
+        self,
+        hashes: Sequence[bytes | None],
+        parents: Sequence[bytes | None],
+        data: np.ndarray,
+        todo: list[int],
+    ) -> list[bool]:
+        writes = [BlockWrite(hashes[i], data[i], parents[i]) for i in todo]  # type: ignore[arg-type]
+        results = self.group.write_blocks(writes)
+        return [r.status in (WriteStatus.WRITTEN, WriteStatus.EXISTS) for r in results]
+
+    def _write_shared(
+        self,
+        hashes: Sequence[bytes | None],
+        parents: Sequence[bytes | None],
+        data: np.ndarray,
+        todo: list[int],
+    ) -> list[bool]:
+        present = self.contains([hashes[i] for i in todo])
+        ok = list(present)
+        new = [k for k, p in enumerate(present) if not p]
+        if not new:
+            return ok
+        keys = [hashes[todo[k]] for k in new]
+        pendings = self.group.begin_blocks(
+            keys,  # type: ignore[arg-type]
+            [parents[todo[k]] for k in new],
+            [self._token(h) for h in keys],  # type: ignore[arg-type]
+        )
+        chunks = list(self.share.chunks)
+        errors = self.group.write_chunks(
+            [ChunkWrite(p, chunks, data[todo[k]]) for p, k in zip(pendings, new, strict=True)]
+        )
+        complete: list[tuple[int, PendingBlock]] = []
+        for k, pending, error in zip(new, pendings, errors, strict=True):
+            if error is not None:
+                continue  # logged by the store; the temporary file is left for the others
+            ok[k] = True
+            if self.group.pending_complete(pending):
+                complete.append((k, pending))
+        if complete:
+            results = self.group.commit_blocks([p for _, p in complete])
+            for (k, pending), result in zip(complete, results, strict=True):
+                if result.status is WriteStatus.FAILED:
+                    # Another writer of the block may have committed it between our check
+                    # and our rename: then it is published and this share is in it.
+                    ok[k] = self.group.contains([pending.block_hash])[0]
+        return ok
+
+    def _token(self, block: bytes) -> str:
+        """The temporary file's token every writer of ``block`` derives alike."""
+        return "sg" + hashlib.blake2b(self._digest + block, digest_size=8).hexdigest()
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def read(
+        self,
+        hashes: Sequence[bytes | None],
+        ids: torch.Tensor,
+        stats: BackendStats,
+        pages: Sequence[PoolPages] | None = None,
+    ) -> list[bool]:
+        """Read blocks ``hashes`` and scatter this rank's share of the hits into pool pages
+        ``ids`` (or, with ``pages``, into page 0 of each key's own one-page view: the flat
+        pages of the generic interface); per key, whether it was served. Nothing is written
+        for a miss."""
+        start = time.perf_counter()
+        rows, served = self._read_rows(hashes, stats)
+        hits = [i for i, s in enumerate(served) if s]
+        if hits and pages is None:
+            index = torch.tensor(hits, dtype=torch.int64)
+            self.pages.scatter(ids.index_select(0, index), torch.from_numpy(rows[hits]))
+        elif hits and pages is not None:
+            first = torch.zeros(1, dtype=torch.int64)
+            for i in hits:
+                pages[i].scatter(first, torch.from_numpy(rows[i : i + 1]))
+        nbytes = len(hits) * self.geometry.share_nbytes
+        seconds = time.perf_counter() - start
+        stats.add(hits=len(hits), misses=len(hashes) - len(hits), bytes_read=nbytes)
+        stats.add(read_seconds=seconds)
+        stats.record_io("read", len(hits), nbytes, seconds)
+        return served
+
+    def _read_rows(
+        self, hashes: Sequence[bytes | None], stats: BackendStats
+    ) -> tuple[np.ndarray, list[bool]]:
+        rows = np.empty((len(hashes), self.geometry.share_nbytes), dtype=np.uint8)
+        valid = [i for i, h in enumerate(hashes) if h is not None]
+        served = [False] * len(hashes)
+        if valid:
+            results = self.group.read_blocks(
+                [BlockRead(hashes[i], rows[i], self._read_chunks) for i in valid]  # type: ignore[arg-type]
+            )
+            corrupt = 0
+            for i, result in zip(valid, results, strict=True):
+                served[i] = result.ok
+                corrupt += result.status is ReadStatus.CORRUPT
+            stats.add(corrupt=corrupt)
+        return rows, served
