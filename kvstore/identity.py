@@ -161,6 +161,12 @@ class Identity:
     def dtype(self) -> DType:
         return dtype_by_name(self.kv_dtype)
 
+    @property
+    def engine(self) -> str:
+        """The engine whose keys the namespace holds, read off its hash chain: ``sglang``
+        (``sglang_*``, its page-hash chain) or ``vllm`` (vLLM's block-hash algorithms)."""
+        return "sglang" if self.hash_algo.startswith("sglang") else "vllm"
+
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "model": self.model,

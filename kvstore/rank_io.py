@@ -127,8 +127,6 @@ class RankIO:
         )
         # Range writers leave a completion marker in their slot; the committer requires all.
         self.range_writer_slot, self.commit_range_writers = _range_writer_slot(mapping)
-        # Range writers leave a completion marker in their slot; the committer requires all.
-        self.range_writer_slot, self.commit_range_writers = _range_writer_slot(mapping)
         if not mapping.partial_chunks and not _chunks_in_share_order(mapping):
             # Whole-chunk writes send the share as the chunks back to back; the mapping
             # guarantees canonical order, so anything else is a mapping bug: fail closed.

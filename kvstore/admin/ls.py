@@ -36,6 +36,7 @@ class NamespaceSummary:
 
     name: str
     model: str
+    engine: str  # whose keys: "vllm" or "sglang" (Identity.engine)
     dtype: str
     tokens_per_block: int
     groups: int
@@ -49,6 +50,7 @@ class NamespaceSummary:
         return {
             "name": self.name,
             "model": self.model,
+            "engine": self.engine,
             "dtype": self.dtype,
             "tokens_per_block": self.tokens_per_block,
             "hash_lookahead_tokens": self.hash_lookahead_tokens,
@@ -68,6 +70,7 @@ def summarize(ns: NamespaceView, blocks: list[Entry]) -> NamespaceSummary:
     return NamespaceSummary(
         name=ns.name,
         model=ns.identity.model,
+        engine=ns.identity.engine,
         dtype=ns.identity.kv_dtype,
         tokens_per_block=ns.identity.tokens_per_block,
         groups=len(ns.groups),
@@ -151,6 +154,7 @@ def render_namespaces(doc: dict[str, Any]) -> list[str]:
         [
             n["name"],
             n["model"],
+            n.get("engine", ""),
             n["dtype"],
             _block_tokens(n),
             n["groups"],
@@ -162,9 +166,9 @@ def render_namespaces(doc: dict[str, Any]) -> list[str]:
         for n in doc["namespaces"]
     ]
     total = doc["total"]
-    rows.append(["total", "", "", "", "", total["blocks"], format_size(total["bytes"]), "", ""])
+    rows.append(["total", "", "", "", "", "", total["blocks"], format_size(total["bytes"]), "", ""])
     headers = [
-        *("namespace", "model", "dtype", "tokens/block", "groups"),
+        *("namespace", "model", "engine", "dtype", "tokens/block", "groups"),
         *("blocks", "size", "oldest", "newest"),
     ]
     return lines + table(headers, rows)
@@ -183,7 +187,8 @@ def _block_tokens(summary: dict[str, Any]) -> str:
 def render_blocks(doc: dict[str, Any]) -> list[str]:
     ns = doc["namespace"]
     lines = [
-        f"namespace {ns['name']}: {ns['model']}, {ns['dtype']}, {ns['tokens_per_block']} tokens "
+        f"namespace {ns['name']}: {ns['model']} ({ns.get('engine', '?')}), {ns['dtype']}, "
+        f"{ns['tokens_per_block']} tokens "
         f"per block, {ns['blocks']} blocks, {format_size(ns['bytes'])}"
     ]
     rows = [

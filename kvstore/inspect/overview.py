@@ -58,6 +58,7 @@ def namespace_summary(ns: NamespaceView, check: bool) -> dict[str, Any]:
     return {
         "name": ns.name,
         "identity": ns.identity.to_json(),
+        "engine": ns.identity.engine,
         "groups": [group_summary(g, check) for g in ns.groups],
         "quarantined": len(ns.quarantined()),
         "problems": list(ns.problems),

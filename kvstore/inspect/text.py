@@ -30,7 +30,8 @@ def overview_text(doc: dict[str, Any]) -> list[str]:
         ident = ns["identity"]
         rev = f"@{ident['revision']}" if ident["revision"] else ""
         lines.append("")
-        lines.append(f"namespace {ns['name']}")
+        engine = f" (written by {ns['engine']})" if ns.get("engine") else ""
+        lines.append(f"namespace {ns['name']}{engine}")
         lines.append(
             f"  model {ident['model']}{rev}, kv dtype {ident['kv_dtype']}, "
             f"{ident['tokens_per_block']} tokens/block, hash {ident['hash_algo']}"

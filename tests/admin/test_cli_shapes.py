@@ -22,7 +22,7 @@ def test_json_shapes(root: Path, ns: str, capsys: pytest.CaptureFixture[str]) ->
     rc, doc = cli_json(capsys, "ls", root)
     assert rc == 0 and set(doc) == {"root", "namespaces", "total", "problems"}
     assert set(doc["namespaces"][0]) == {
-        "name", "model", "dtype", "tokens_per_block", "hash_lookahead_tokens", "groups",
+        "name", "model", "engine", "dtype", "tokens_per_block", "hash_lookahead_tokens", "groups",
         "blocks", "bytes", "oldest_ns", "newest_ns", "oldest", "newest",
     }  # fmt: skip
     rc, doc = cli_json(capsys, "ls", root, ns)
