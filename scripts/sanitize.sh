@@ -18,7 +18,9 @@ cflags=(-O1 -g -fno-omit-frame-pointer "-fsanitize=address,undefined"
   -fno-sanitize-recover=undefined -Wall -Wextra -Werror -shared -fPIC -I"$include")
 mkdir -p "$out"
 gcc "${cflags[@]}" kvstore/_native/xxh3batch.c -o "$out/_xxh3batch$suffix" -ldl
-gcc "${cflags[@]}" kvstore/_native/fileproto.c -o "$out/_fileproto$suffix"
+# One module from all its sources (kvstore/_native/fileproto_internal.h lists them).
+gcc "${cflags[@]}" kvstore/_native/fileproto.c kvstore/_native/fileproto_*.c \
+  -o "$out/_fileproto$suffix"
 
 # python is not instrumented, so the ASan runtime must be the first library in the process
 # (ASan refuses to start from a dlopen'd module). libubsan needs no such place; it is

@@ -1,6 +1,7 @@
-/* What kvstore's two C extensions share (kvstore/_native/xxh3batch.c, fileproto.c).
+/* What kvstore's two C extensions share (kvstore/_native/xxh3batch.c; fileproto.c and the
+ * fileproto_*.c files compiled with it, whose own shared declarations are fileproto_internal.h).
  *
- * fileproto.c hashes with the XXH3 function xxh3batch.c binds (handed over as a capsule of
+ * The file protocol hashes with the XXH3 function xxh3batch.c binds (handed over as a capsule of
  * this name), and both accept the same uint64 buffers for checksums.
  */
 #ifndef KVSTORE_NATIVE_COMMON_H

@@ -55,7 +55,7 @@ xxh3batch_bind(PyObject *Py_UNUSED(module), PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* The capsule name of function(): kvstore/_native/fileproto.c takes the hash function this way, so
+/* The capsule name of function(): kvstore/_native/fileproto*.c take the hash function this way, so
  * the one binding above (and its self-test in kvstore/checksum.py) serves both modules. */
 
 static PyObject *

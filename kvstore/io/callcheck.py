@@ -1,8 +1,8 @@
 """The argument checks of the native file calls, in Python: the reference refuses what the C
 refuses, with the same exception type, in the same order.
 
-kvstore/_native/fileproto.c checks every argument before it touches memory (types, counts, offsets
-and lengths against the buffers they index, alignment, overflow-checked sizes) and raises
+kvstore/_native/fileproto*.c check every argument before they touch memory (types, counts,
+offsets and lengths against the buffers they index, alignment, overflow-checked sizes) and raise
 TypeError, ValueError or OverflowError naming the argument. :class:`~kvstore.io.fileio.FileIO`'s
 Python reference of each call runs these checks first, so that both give the same result for
 every input (tests/native compares them over generated arguments). The order of the checks is
@@ -34,8 +34,8 @@ from kvstore.callargs import (
 )
 from kvstore.io.types import PiecePlan
 
-# Linux's IOV_MAX; os.sysconf may not know it everywhere (kvstore/_native/fileproto.c uses
-# limits.h).
+# Linux's IOV_MAX; os.sysconf may not know it everywhere (kvstore/_native/fileproto_internal.h
+# uses limits.h).
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 _SSIZE_MIN, _SSIZE_MAX = -sys.maxsize - 1, sys.maxsize
 
@@ -46,10 +46,11 @@ def check_mode(call: str, mode: int) -> None:
 
 
 def check_segments(segments: object, writable: bool) -> list[tuple[int, memoryview]]:
-    """The (offset, memory) pairs of a file call, checked as the C's ``acquire_segments``
-    checks them: a sequence (snapshot) of 2-tuples, each offset an integer within 0..2**63-1,
-    each memory a contiguous (writable) buffer that ends below 2**63. Offsets come back as
-    ints (numpy integers accepted), memory as flat byte views."""
+    """The (offset, memory) pairs of a file call, checked as the C's ``kv_fp_acquire_segments``
+    (kvstore/_native/fileproto_args.c) checks them: a sequence (snapshot) of 2-tuples, each
+    offset an integer within 0..2**63-1, each memory a contiguous (writable) buffer that ends
+    below 2**63. Offsets come back as ints (numpy integers accepted), memory as flat byte
+    views."""
     items = snapshot(
         segments, "file protocol: expected segments as a sequence of (offset, buffer) pairs"
     )
@@ -170,7 +171,8 @@ def int64_values(call: str, array: object, what: str, count: int) -> np.ndarray:
 
 
 def overlaps(a: memoryview, b: memoryview) -> bool:
-    """Whether two views share a byte of memory (kvstore/_native/fileproto.c ``overlaps``)."""
+    """Whether two views share a byte of memory (kvstore/_native/fileproto_args.c
+    ``kv_fp_overlaps``)."""
     if not len(a) or not len(b):
         return False
     a0, b0 = address(a), address(b)
@@ -324,7 +326,8 @@ def _check_piece_places(  # noqa: PLR0913 - the geometry, one argument each
     span: int,
 ) -> None:
     """The pieces tile the span (each start a multiple of ``piece``, each place once) and
-    ``slot_of`` is the order that follows (kvstore/_native/fileproto.c ``check_piece_places``)."""
+    ``slot_of`` is the order that follows (kvstore/_native/fileproto_piece_args.c
+    ``check_piece_places``)."""
     npieces = len(starts)
     piece_at = [-1] * npieces
     for k, start in enumerate(starts.tolist()):
@@ -350,7 +353,8 @@ def _check_piece_places(  # noqa: PLR0913 - the geometry, one argument each
 def check_piece_blocks(
     call: str, blocks: Iterable[object], checked: CheckedPieces, reading: bool
 ) -> list[tuple[bytes | None, bytes, memoryview, memoryview]]:
-    """The blocks of a piece batch, checked as the C's ``acquire_piece_blocks`` checks them:
+    """The blocks of a piece batch, checked as the C's ``kv_fp_acquire_piece_blocks``
+    (kvstore/_native/fileproto_piece_args.c) checks them:
     (tmp, final, header, span) tuples (reads: (path, header, span)), names without NUL, a
     writable header of the plan's size, a span of the plan's size (writable for reads).
     Returns (tmp or None, final/path, header, span) with names as bytes."""

@@ -3,8 +3,8 @@
 A hashed write or read (:meth:`FileIO.write_new_hashed <kvstore.io.fileio.FileIO.write_new_hashed>`,
 :meth:`FileIO.read_regular_hashed <kvstore.io.fileio.FileIO.read_regular_hashed>`) moves a
 block's data group by group and checksums each group while it is in the CPU cache. These
-functions cut the groups exactly as kvstore/_native/fileproto.c's ``hashed_transfer`` does, so that
-both raise the same errors and stop at the same short read.
+functions cut the groups exactly as kvstore/_native/fileproto_hashed.c's ``kv_fp_hashed_transfer``
+does, so that both raise the same errors and stop at the same short read.
 """
 
 from __future__ import annotations
@@ -17,18 +17,19 @@ from kvstore.checksum import chunk_sums
 from kvstore.io.callcheck import check_sums_apart, check_uint64_sums
 from kvstore.io.types import Hashing
 
-# Most pieces of segments in one group of a hashed transfer: the bound kvstore/_native/fileproto.c's
-# GROUP_PARTS keeps, so both cut a run the same way (the same short-read words).
+# Most pieces of segments in one group of a hashed transfer: the bound
+# kvstore/_native/fileproto_hashed.c's GROUP_PARTS keeps, so both cut a run the same way (the
+# same short-read words).
 _GROUP_PARTS = 64
 
 
 def hashed_groups(
     segments: Sequence[tuple[int, memoryview]], h: Hashing
 ) -> list[tuple[int, list[memoryview]]]:
-    """The groups of a hashed transfer, as kvstore/_native/fileproto.c's ``hashed_transfer`` cuts
-    them: ``(file offset, pieces)``, each a file-contiguous run of whole chunks of at most
-    ``h.group_nbytes`` (rounded down to whole chunks, at least one) in at most
-    :data:`_GROUP_PARTS` pieces,
+    """The groups of a hashed transfer, as kvstore/_native/fileproto_hashed.c's
+    ``kv_fp_hashed_transfer`` cuts them: ``(file offset, pieces)``, each a file-contiguous run
+    of whole chunks of at most ``h.group_nbytes`` (rounded down to whole chunks, at least one)
+    in at most :data:`_GROUP_PARTS` pieces,
     of segments ``[h.first, h.last)``. Raises the extension's ValueError, with its words, for
     bad geometry."""
     n = len(segments)

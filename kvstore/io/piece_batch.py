@@ -1,10 +1,11 @@
 """The Python reference of the native piece batches (``publish_pieces``, ``read_pieces``).
 
-kvstore/_native/fileproto.c writes or reads a batch of raw dense blocks given as pieces in one call
-without the GIL. These functions do the same steps with a :class:`~kvstore.io.fileio.FileIO`'s
-primitives, block by block, and return the same per-block statuses (:data:`PUBLISHED`,
-:data:`ALREADY_THERE`, :data:`VERIFIED` or ``-errno``); they run wherever the extension does
-not (``KVSTORE_NATIVE=off``, a FileIO subclass), and tests/native holds the two to each other.
+kvstore/_native/fileproto_pieces.c writes or reads a batch of raw dense blocks given as pieces in
+one call without the GIL. These functions do the same steps with a
+:class:`~kvstore.io.fileio.FileIO`'s primitives, block by block, and return the same per-block
+statuses (:data:`PUBLISHED`, :data:`ALREADY_THERE`, :data:`VERIFIED` or ``-errno``); they run
+wherever the extension does not (``KVSTORE_NATIVE=off``, a FileIO subclass), and tests/native
+holds the two to each other.
 The arguments are checked first, as the C checks them (:mod:`kvstore.io.callcheck`).
 """
 
@@ -102,7 +103,8 @@ def _plain(plan: PiecePlan, publishing: bool) -> PiecePlan:
 
 def _aligned(plan: PiecePlan, checked: CheckedPieces, header: memoryview, span: memoryview) -> bool:
     """Whether every byte an O_DIRECT transfer of the block moves is aligned: the header and
-    every piece, in address and length (kvstore/_native/fileproto.c ``piece_block_aligned``)."""
+    every piece, in address and length (kvstore/_native/fileproto_pieces.c
+    ``piece_block_aligned``)."""
     a = plan.alignment
     base = address(span)
     if address(header) % a or len(header) % a or plan.piece_nbytes % a:
@@ -139,7 +141,7 @@ def _publish_one(  # noqa: PLR0913 - one block of the batch and the plan it shar
     mode: int,
     index: memoryview,
 ) -> int:
-    """kvstore/_native/fileproto.c ``publish_piece_block``, step for step."""
+    """kvstore/_native/fileproto_pieces.c ``publish_piece_block``, step for step."""
     tmp, final = names
     try:
         st = os.lstat(final)
@@ -191,7 +193,7 @@ def _read_one(  # noqa: PLR0913 - one block of the batch and the plan it shares
     flags: int,
     touch_if_older_than_ns: int,
 ) -> int:
-    """kvstore/_native/fileproto.c ``read_piece_block``, step for step."""
+    """kvstore/_native/fileproto_pieces.c ``read_piece_block``, step for step."""
     direct = bool(flags & O_DIRECT) and _aligned(plan, checked, header, span)
     open_flags = flags if direct else flags & ~O_DIRECT
     try:

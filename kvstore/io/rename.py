@@ -39,8 +39,8 @@ _renameat2 = load_renameat2()
 
 
 def renameat2_noreplace(src: bytes, dst: bytes) -> int:
-    """``renameat2(src, dst, RENAME_NOREPLACE)`` alone, as kvstore/_native/fileproto.c's batch
-    publish calls it (no fallback): 0, or the errno it failed with (ENOSYS where the C
+    """``renameat2(src, dst, RENAME_NOREPLACE)`` alone, as kvstore/_native/fileproto_pieces.c's
+    batch publish calls it (no fallback): 0, or the errno it failed with (ENOSYS where the C
     library lacks the call)."""
     if _renameat2 is None:
         return errno.ENOSYS

@@ -3,8 +3,8 @@
 The loops the Python reference of every file call is made of (:class:`~kvstore.io.fileio.FileIO`
 and :mod:`kvstore.io.piece_batch`): runs of file-contiguous segments, ``IOV_MAX`` batches,
 short transfers resumed. Empty buffers move nothing and are passed over, as the C loops of
-kvstore/_native/fileproto.c pass them over: an empty segment is no write at all, never a write that
-"made no progress".
+kvstore/_native/fileproto_transfer.c pass them over: an empty segment is no write at all, never a
+write that "made no progress".
 """
 
 from __future__ import annotations

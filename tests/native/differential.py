@@ -1,7 +1,7 @@
 """Differential tests of kvstore's native calls against their Python references, over
 hypothesis-generated arguments, valid and hostile alike.
 
-kvstore/_native/xxh3batch.c and kvstore/_native/fileproto.c promise the result of their Python
+kvstore/_native/xxh3batch.c and kvstore/_native/fileproto*.c promise the result of their Python
 reference for every input: the same exception type (TypeError, ValueError, OverflowError, OSError
 with the same errno), the same return values and per-block statuses, the same bytes written to files
 and into the caller's buffers. Each test here draws a call's arguments (valid geometry mixed with

@@ -84,7 +84,8 @@ PLAN_FIELDS = (
 
 
 def slot_order(starts: Sequence[int], piece: int, chunk: int) -> list[int]:
-    """The slot_of that ``starts`` imply (kvstore/_native/fileproto.c check_piece_places)."""
+    """The slot_of that ``starts`` imply (kvstore/_native/fileproto_piece_args.c
+    check_piece_places)."""
     piece_at = {start // piece: k for k, start in enumerate(starts)}
     per = piece // chunk
     return [piece_at[s // per] * per + s % per for s in range(len(starts) * per)]

@@ -1,8 +1,8 @@
 """Checksums computed as a file's bytes pass (FileIO.write_new_hashed / read_regular_hashed,
-kvstore/_native/fileproto.c's hashed transfers): the native calls give the Python reference's files,
-sums and errors, for every way a block's data arrives (one segment, pieces, gaps, more pieces
-than a group holds), with O_DIRECT, and on every kind of entry a hostile tree puts at a
-name."""
+kvstore/_native/fileproto_hashed.c's hashed transfers): the native calls give the Python
+reference's files, sums and errors, for every way a block's data arrives (one segment, pieces,
+gaps, more pieces than a group holds), with O_DIRECT, and on every kind of entry a hostile tree
+puts at a name."""
 
 from __future__ import annotations
 

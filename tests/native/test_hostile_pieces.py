@@ -1,4 +1,4 @@
-"""Hostile arguments to the native file protocol (kvstore/_native/fileproto.c,
+"""Hostile arguments to the native file protocol (kvstore/_native/fileproto*.c,
 kvstore/_native/xxh3batch.c) and to FileIO's Python reference of the same calls; here the piece
 batches (publish_pieces, read_pieces), the other calls in test_hostile_files.py.
 

@@ -1,4 +1,4 @@
-"""The native file protocol (kvstore/_native/fileproto.c through FileIO's compound operations): the
+"""The native file protocol (kvstore/_native/fileproto*.c through FileIO's compound operations): the
 same files, results, exception types and words as FileIO's Python reference for every kind of
 entry a hostile tree puts at a name, descriptors closed on errors, only NativeFileIO using
 it (the binding and its fallback: tests/native/test_fileproto_binding.py)."""
