@@ -240,7 +240,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         ids = pool.pages.page_ids(host_indices, len(keys))
         hashes = [block_hash(k) for k in keys]
-        return pool.write(hashes, _parents(hashes, extra_info), pool.pages.gather(ids), self.stats)
+        return pool.write_pages(hashes, _parents(hashes, extra_info), ids, self.stats)
 
     # -- v2: per-pool transfers ----------------------------------------------------------------
 

@@ -275,20 +275,44 @@ class PoolPages:
             )
         return ids
 
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """The shares of pages ``ids`` as contiguous uint8 rows ``(len(ids), share_nbytes)``."""
-        parts = [v.index_select(0, ids.to(v.device)) for v in self.views]
-        pages = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return pages.contiguous().view(torch.uint8).reshape(len(ids), -1).cpu()
+    def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The shares of pages ``ids`` as contiguous uint8 rows ``(len(ids), share_nbytes)``:
+        into ``out`` (such rows, on the CPU) when given, else into new ones."""
+        g = self.geometry
+        count = len(ids)
+        if out is None:
+            out = torch.empty((count, g.share_nbytes), dtype=torch.uint8)
+        if tuple(out.shape) != (count, g.share_nbytes) or not out.is_contiguous():
+            raise ConfigError(
+                f"gather: expected contiguous rows ({count}, {g.share_nbytes}), got "
+                f"{tuple(out.shape)}"
+            )
+        pages = out.view(g.dtype).reshape(count, *g.page_shape)
+        # One strided copy per page into the rows: index_select on the permuted views made a
+        # permuted result that .contiguous() then copied again (2.5x slower, measured).
+        for view, part in self._parts(pages):
+            for row, page in enumerate(ids.tolist()):
+                part[row].copy_(view[page])
+        return out
 
     def scatter(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Write share rows (uint8, ``(len(ids), share_nbytes)``) into pages ``ids``."""
         g = self.geometry
         pages = rows.reshape(len(ids), -1).view(g.dtype).reshape(len(ids), *g.page_shape)
-        offset = 0
-        for v in self.views:
-            width = int(v.shape[-1])
-            part = pages if len(self.views) == 1 else pages[..., offset : offset + width]
-            index = ids.to(v.device)
-            v.index_put_((index,), part.to(v.device))
+        # Per page a strided copy: index_put_ on the permuted views was 5x slower (measured).
+        for view, part in self._parts(pages):
+            source = part.to(view.device)
+            for row, page in enumerate(ids.tolist()):
+                view[page].copy_(source[row])
+
+    def _parts(self, pages: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each canonical view with its slice of ``pages`` (MLA kv_split: the K and the rope
+        part of the last axis; otherwise the whole)."""
+        if len(self.views) == 1:
+            return [(self.views[0], pages)]
+        parts, offset = [], 0
+        for view in self.views:
+            width = int(view.shape[-1])
+            parts.append((view, pages[..., offset : offset + width]))
             offset += width
+        return parts

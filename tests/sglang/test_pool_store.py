@@ -252,3 +252,26 @@ def test_identity_is_layout_free_and_names_the_engine(tmp_path: Path) -> None:
     other_layout = _pool_store(tmp_path, _full("layer_first"))
     assert other_layout.identity == tp1.identity  # host layout is not in the pages
     assert tp1.identity.groups[0].num_kv_heads == H
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_head"])
+def test_batches_move_in_staging_slices(tmp_path: Path, layout: str) -> None:
+    """A batch larger than the staging rows moves slice by slice (here one page each), with a
+    miss in the middle of a read: every hit lands on its own page, the miss's page untouched."""
+    full = _full(layout, seed=11)
+    writer = _pool_store(tmp_path, full)
+    writer.pages_per_slice = 1
+    hashes = [block_hash(k) for k in KEYS]
+    assert (
+        writer.write_pages(hashes, [None, *hashes[:-1]], torch.tensor([5, 4, 3, 2]), BackendStats())
+        == [True] * 4
+    )
+    blank = _blank_like(full)
+    reader = _pool_store(tmp_path, blank)
+    reader.pages_per_slice = 2
+    untouched = reader.pages.gather(torch.tensor([1])).clone()
+    wanted = [KEYS[0], "ab" * 32, KEYS[2], KEYS[3]]  # the second is no stored block
+    assert _read(reader, [0, 1, 2, 3], wanted) == [True, False, True, True]
+    source = _pool_store(tmp_path / "other", full)
+    assert _same_pages(reader, [0, 2, 3], source, [5, 3, 2])
+    assert torch.equal(reader.pages.gather(torch.tensor([1])), untouched)
