@@ -1,9 +1,12 @@
-"""A chain of real engine processes sharing one store, run lazily and once per session.
+"""A chain of real engines sharing one store, run lazily and once per session.
 
-Each engine process costs ~30-60 s on 2 cores (imports, engine start), so the e2e tests of
-one model share one chain: a step names the engine processes that must have run before it
-(``after``), e.g. "load" after "store"; the first test that needs a step runs it and its
-predecessors; later tests reuse the results. Each step is a driver job (see driver.py).
+Each engine costs ~20-60 s on 2 cores (imports, engine start and stop), so the e2e tests of
+one model share one chain: a step names the engines that must have run before it (``after``),
+e.g. "load" after "store"; the first test that needs a step runs it and its predecessors;
+later tests reuse the results. Each step is a driver job (see driver.py) with an engine of its
+own: a new engine core and workers, stopped (its stores published, its processes exited)
+before the next step starts. The session's :class:`~.engine.EngineHost` runs the jobs of every
+chain in one front-end process, which only saves that process's start and imports.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .driver import VOCAB
-from .engine import run_engine
+from .engine import EngineHost
 
 BLOCK = 32  # tokens per block: vLLM's CPU attention wants a multiple of 32
 
@@ -37,7 +40,7 @@ class Step:
 
 @dataclass
 class Chain:
-    python: str
+    host: EngineHost
     workdir: Path
     model: str  # driver model kind
     model_dir: Path
@@ -64,7 +67,7 @@ class Chain:
                 "dtype": self.dtype,
                 **step.job,
             }
-            self.results[name] = run_engine(self.python, job, self.workdir, name)
+            self.results[name] = self.host.run(job, self.workdir, name)
         return self.results[name]
 
     def log(self, name: str) -> str:

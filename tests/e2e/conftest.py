@@ -8,12 +8,13 @@ tier (``.ci/run`` sets it for its main pytest run, after running this tier on it
 from __future__ import annotations
 
 import os
-import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from .engine import REQUIRED_ENV, e2e_venv_python, engine_env
+from .engine import REQUIRED_ENV, EngineHost, e2e_venv_python, engine_env
+from .servers import Restart, restart_scenario
 
 SEPARATE_ENV = "KVTEST_E2E"  # "0": skip the tier (it runs as a separate pytest run)
 
@@ -39,20 +40,15 @@ def e2e_env() -> dict[str, str]:
     return engine_env()
 
 
-def _model(python: str, kind: str, directory: Path) -> Path:
-    """Build a tiny random-weight model with the e2e venv's transformers (driver.py)."""
-    code = (
-        "import sys; from tests.e2e.driver import build_model; "
-        "build_model(sys.argv[1], sys.argv[2])"
-    )
-    subprocess.run(
-        [python, "-c", code, kind, str(directory)],
-        env=engine_env(),
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    return directory
+@pytest.fixture(scope="session")
+def e2e_host(e2e_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHost]:
+    """The session's engine host: one front-end process (``driver.py --host``) running every
+    chain's engine jobs one after another, each with an engine of its own (driver.py)."""
+    host = EngineHost(e2e_python, tmp_path_factory.mktemp("host"))
+    try:
+        yield host
+    finally:
+        host.close()
 
 
 @pytest.fixture(scope="session")
@@ -62,6 +58,21 @@ def e2e_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(e2e_python: str, e2e_models: Path) -> Path:
-    """A tiny random-weight Llama (2 layers, 2 KV heads of 32) built locally."""
-    return _model(e2e_python, "llama", e2e_models / "llama")
+def tiny_llama(e2e_host: EngineHost, e2e_models: Path) -> Path:
+    """A tiny random-weight Llama (2 layers, 2 KV heads of 32) built locally, by the e2e
+    venv's transformers (driver.py's build_model, a job of the engine host)."""
+    directory = e2e_models / "llama"
+    e2e_host.run({"build": "llama", "model_dir": str(directory)}, e2e_host.workdir, "build-llama")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def served_restart(
+    e2e_python: str,
+    tiny_llama: Path,
+    e2e_env: dict[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Restart:
+    """The served run test_serve.py and test_metrics.py assert on, once per session: a first
+    server stores a prompt, a restarted one loads it (servers.restart_scenario)."""
+    return restart_scenario(e2e_python, tiny_llama, tmp_path_factory.mktemp("serve"), e2e_env)

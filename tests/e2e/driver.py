@@ -8,7 +8,8 @@ transformers (random weights, ``save_pretrained``), prompts are token ids
 
 Usage::
 
-    python tests/e2e/driver.py JOB.json OUT.json
+    python tests/e2e/driver.py JOB.json OUT.json   # one job, then exit
+    python tests/e2e/driver.py --host              # jobs one after another (see host())
 
 ``JOB.json`` (every key but ``model_dir`` and ``batches`` optional)::
 
@@ -27,12 +28,25 @@ Usage::
 ``OUT.json``: ``{"batches": [[{"tokens": [...], "num_cached_tokens": n}, ...], ...],
 "metrics": [{...}, ...] (cumulative counters after each batch), "block_hashes": [[hex, ...],
 ...] (per prompt, in order: vLLM's hashes of its full blocks, the store's block names),
-"vllm": version, "seconds": {...}}``. ``metrics`` holds vLLM's own counters: ``prefix_cache_hits``
-(tokens from the engine's own prefix cache and the store), ``external_prefix_cache_hits``
-(tokens the connector supplied), ``kv_offload_load_bytes`` / ``kv_offload_store_bytes``.
+"vllm": version, "engine_exits": {pid: exit code} (of the engine core, exited before the
+result is written), "seconds": {...}}``. ``metrics`` holds vLLM's own counters:
+``prefix_cache_hits`` (tokens from the engine's own prefix cache and the store),
+``external_prefix_cache_hits`` (tokens the connector supplied), ``kv_offload_load_bytes`` /
+``kv_offload_store_bytes``.
 
 Reusable helpers (also for benchmarks): :func:`build_model`, :func:`make_llm`,
-:func:`generate`, :func:`read_metrics`.
+:func:`generate`, :func:`read_metrics`, :func:`stop_llm`.
+
+``--host`` (what the tests use, ``tests/e2e/engine.py``'s ``EngineHost``): one front-end
+process runs the jobs of a session one after another, so each job does not pay again for this
+process's start and its imports of torch and vLLM. Each job still gets an engine of its own:
+its ``vllm.LLM`` spawns a new engine core (and its workers), which hold the connector (both its
+scheduler and its worker side), the KV cache and the store's handles, and the job ends by
+stopping that engine and checking that its processes exited (:func:`stop_llm`) before the result
+is written, as a process of its own ends at exit. What a job changes in this process (its
+``env``, ``VLLM_KV_CACHE_LAYOUT``, the widened layouts, TP=2's thread binding) is undone after
+it, vLLM's Prometheus counters start again at 0 with each ``LLM`` (a job fails if they do not),
+and the job's log receives everything this process and its engine processes print meanwhile.
 
 ``widen_cpu_layouts``: vLLM's CPU attention backend declares only the per-layer ``LBHNC``
 layout and refuses ``VLLM_KV_CACHE_LAYOUT=BLHNC`` at start-up, although its kernels read each
@@ -49,6 +63,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +77,7 @@ VOCAB = 512
 # cache only, or also of the connector's state (reset_connector=True).
 RESETS = ("reset", "reset_connector")
 WIDEN_ENV = "KVTEST_E2E_WIDEN_CPU_LAYOUTS"  # set by the driver for its own engine processes
+ENGINE_EXIT_TIMEOUT_S = 60.0  # after vLLM's shutdown (and its kill): the engine must be gone
 
 # The tiny models. head_dim 32 and block sizes that are multiples of 32: vLLM's CPU attention
 # supports nothing smaller. Embeddings are untied: tied random embeddings make the output
@@ -233,6 +249,35 @@ def read_metrics(llm: Any) -> dict[str, float]:
     return totals
 
 
+def stop_llm(llm: Any) -> dict[str, int | None]:
+    """Stop ``llm``'s engine as the exit of its process does: vLLM's engine-core client
+    shutdown (SIGTERM to the engine core, which stops its workers and shuts the connector down,
+    writing and publishing its pending stores; what is still running after vLLM's grace period
+    is killed, as at exit), then wait until the engine processes are gone. Their exit codes by
+    pid."""
+    client = llm.llm_engine.engine_core
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    processes = list(getattr(manager, "processes", None) or ())
+    if not processes:
+        raise RuntimeError(f"no engine core process found ({type(client).__name__})")
+    client.shutdown()
+    for process in processes:
+        process.join(ENGINE_EXIT_TIMEOUT_S)  # reaps one that vLLM killed
+    alive = [p.pid for p in processes if p.is_alive()]
+    if alive:
+        raise RuntimeError(f"engine core processes {alive} still alive after the shutdown")
+    return {str(p.pid): p.exitcode for p in processes}
+
+
+# vLLM's counters the tests read (tests/e2e/engine.py's per_batch counts from 0).
+COUNTERS = (
+    "prefix_cache_hits",
+    "external_prefix_cache_hits",
+    "kv_offload_load_bytes",
+    "kv_offload_store_bytes",
+)
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.monotonic()
     os.environ.update({k: str(v) for k, v in job.get("env", {}).items()})
@@ -254,6 +299,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         max_model_len=int(job.get("max_model_len", 1024)),
     )
     t1 = time.monotonic()
+    at_start = {k: v for k, v in read_metrics(llm).items() if k in COUNTERS and v}
+    if at_start:  # counted by an earlier engine of this process (host mode)
+        stop_llm(llm)
+        raise RuntimeError(f"vLLM's counters do not start at 0: {at_start}")
     batches: list[Any] = []
     metrics: list[dict[str, float]] = []
     for prompts in job["batches"]:
@@ -264,6 +313,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             batches.append(generate(llm, prompts, int(job.get("max_tokens", 8))))
         metrics.append(read_metrics(llm))
     t2 = time.monotonic()
+    engine_exits = stop_llm(llm)
+    del llm
+    t3 = time.monotonic()
     block = int(job.get("block_size", 32))
     return {
         "batches": batches,
@@ -275,19 +327,86 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             for p in prompts
         ],
         "vllm": vllm.__version__,
-        "seconds": {"start": round(t1 - t0, 1), "generate": round(t2 - t1, 1)},
+        "engine_exits": engine_exits,
+        "seconds": {
+            "start": round(t1 - t0, 1),
+            "generate": round(t2 - t1, 1),
+            "stop": round(t3 - t2, 1),
+        },
     }
 
 
+def run_isolated(job: dict[str, Any]) -> dict[str, Any]:
+    """:func:`run` (or, for ``{"build": kind, "model_dir": dir}``, :func:`build_model`), then
+    undo what it changed in this process: ``os.environ`` and the widened CPU layouts."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: PLC0415
+
+    environ = dict(os.environ)
+    layouts = CPUAttentionBackend.__dict__.get("supported_kv_cache_layouts")
+    try:
+        if "build" in job:
+            build_model(job["build"], Path(job["model_dir"]))
+            return {"model_dir": job["model_dir"]}
+        return run(job)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        if layouts is None:
+            if "supported_kv_cache_layouts" in CPUAttentionBackend.__dict__:
+                delattr(CPUAttentionBackend, "supported_kv_cache_layouts")
+        else:
+            setattr(CPUAttentionBackend, "supported_kv_cache_layouts", layouts)  # noqa: B010
+
+
+def host() -> int:
+    """Run jobs one after another in this process (``--host``; see the module doc).
+
+    Requests on stdin, one JSON line each: ``{"job": JOB.json, "out": OUT.json, "log": LOG}``.
+    While a job runs, this process's stdout and stderr (inherited by the engine processes it
+    spawns) go to LOG. The reply, one JSON line on the stdout this process started with:
+    ``{"ok": true}`` once OUT.json is written, or ``{"ok": false}`` (the traceback is in LOG),
+    after which this process exits: an engine that failed may have left this one unfit for the
+    next job, which the caller runs in a new host. EOF on stdin: exit.
+    """
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)  # nothing but replies on the reply channel, also between jobs
+    for line in sys.stdin:
+        request = json.loads(line)
+        ok = True
+        with open(request["log"], "ab") as log:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            saved_err = os.dup(2)
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            try:
+                result = run_isolated(json.loads(Path(request["job"]).read_text()))
+                Path(request["out"]).write_text(json.dumps(result))
+            except BaseException:  # any: reported in the job's log, then this host exits
+                traceback.print_exc()
+                ok = False
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(quiet, 1)
+                os.dup2(saved_err, 2)
+                os.close(saved_err)
+        replies.write(json.dumps({"ok": ok}) + "\n")
+        if not ok:
+            return 1
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[1:] == ["--host"]:
+        return host()
     if len(argv) != 3:
-        print(f"usage: {argv[0]} JOB.json OUT.json", file=sys.stderr)
+        print(f"usage: {argv[0]} JOB.json OUT.json | --host", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[1]).read_text())
-    result = run(job)
+    result = run(job)  # stops its engine before it returns (stop_llm), as in the host
     Path(argv[2]).write_text(json.dumps(result))
-    # vLLM's atexit teardown stops the engine: it steps until the connector has no pending
-    # work (stores written and published), then shuts the connector down.
     return 0
 
 

@@ -22,6 +22,7 @@ import pytest
 
 from .chain import BLOCK, Chain, Step, make_prompt
 from .engine import (
+    EngineHost,
     block_file,
     block_files,
     kvstore_verify,
@@ -46,10 +47,12 @@ def each(*prompts: list[int]) -> list[list[list[int]]]:
 
 
 @pytest.fixture(scope="session")
-def hybrid(e2e_python: str, e2e_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Chain:
+def hybrid(
+    e2e_host: EngineHost, e2e_models: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Chain:
     work = tmp_path_factory.mktemp("gemma3")
     root, damaged = work / "store", work / "damaged"
-    c = Chain(e2e_python, work, "gemma3", e2e_models / "gemma3")
+    c = Chain(e2e_host, work, "gemma3", e2e_models / "gemma3")
     c.add("base1", Step({"store_root": None, "batches": each(*P, *Q)}))
     c.add("base2", Step({"store_root": None, "tp": 2, "batches": each(*P, *Q)}))
     c.add("store", Step({"store_root": str(root), "batches": each(*P)}))

@@ -32,6 +32,7 @@ import pytest
 
 from .chain import BLOCK, Chain, Step, make_prompt
 from .engine import (
+    EngineHost,
     block_file,
     block_files,
     kvstore_verify,
@@ -61,10 +62,12 @@ def each(*prompts: list[int]) -> list[list[list[int]]]:
 
 
 @pytest.fixture(scope="session")
-def chain(e2e_python: str, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Chain:
+def chain(
+    e2e_host: EngineHost, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Chain:
     work = tmp_path_factory.mktemp("llama")
     root, damaged = work / "store", work / "damaged"
-    c = Chain(e2e_python, work, "llama", tiny_llama)
+    c = Chain(e2e_host, work, "llama", tiny_llama)
     c.add("base1", Step({"store_root": None, "batches": each(*P, *Q, *R, S)}))
     c.add("base2", Step({"store_root": None, "tp": 2, "batches": each(*P, *Q)}))
     c.add("store", Step({"store_root": str(root), "batches": each(*P)}))

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from .chain import Chain, Step, make_prompt
-from .engine import kvstore_verify, per_batch, quarantined, temp_files, tokens
+from .engine import EngineHost, kvstore_verify, per_batch, quarantined, temp_files, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -35,10 +35,10 @@ HITS = "external_prefix_cache_hits"
 
 
 @pytest.fixture(scope="session")
-def mla(e2e_python: str, e2e_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Chain:
+def mla(e2e_host: EngineHost, e2e_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Chain:
     work = tmp_path_factory.mktemp("mla")
     root = work / "store"
-    c = Chain(e2e_python, work, "mla", e2e_models / "mla")
+    c = Chain(e2e_host, work, "mla", e2e_models / "mla")
     job = {"store_root": str(root), "block_size": MLA_BLOCK, "batches": [[P]]}
     c.add("store", Step(job))
     c.add("load", Step(job, ("store",)))

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .test_serve import stop
+from .servers import stop
 
 SERVER = """
 import multiprocessing as mp, os, signal, time
