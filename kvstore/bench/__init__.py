@@ -16,6 +16,8 @@ Suites (``--suite NAME[,NAME]``; all by default), one module each:
 * ``overhead`` (:mod:`kvstore.bench.overhead`): Python time per block over the raw floor.
 * ``tier`` (:mod:`kvstore.bench.tier`): kvstore as vLLM's secondary tier vs vLLM's ``fs`` tier,
   behind the same tiering manager (needs vLLM 0.33).
+* ``scale`` (:mod:`kvstore.bench.scale`): every admin and inspection command's wall time and
+  peak RSS as the store grows (``--scale-sizes``), with each one's RSS growth.
 
 The report (machine, targets, the markdown page) is :mod:`kvstore.bench.report`; the systems
 the throughput suite compares are :mod:`kvstore.bench.systems`.
@@ -53,6 +55,7 @@ from kvstore.bench import (
     layouts,
     lookup,
     overhead,
+    scale,
     scaling,
     throughput,
     tier,
@@ -63,7 +66,7 @@ from kvstore.bench.systems import SYSTEMS
 from kvstore.io.fileio import filesystem_type
 from kvstore.models import model_names
 
-SUITES = ("throughput", "lookup", "layouts", "scaling", "compression", "overhead", "tier")
+SUITES = ("throughput", "lookup", "layouts", "scaling", "compression", "overhead", "tier", "scale")
 # The default run: the store against the raw floor, lookup and per-block overhead, in about a
 # minute on the 2-core reference machine; the other suites with --suite or --full.
 QUICK_SUITES = ("throughput", "lookup", "overhead")
@@ -76,6 +79,7 @@ PRESETS: dict[str, tuple[Any, Any]] = {
     "repeat": (2, 3),
     "store_blocks": (20_000, 1_000_000),
     "store_sizes": ("10000,20000", "10000,100000,1000000"),
+    "scale_sizes": ("10000,100000", "10000,100000,1000000"),
     "scaling_threads": ("1,4,16", "1,2,4,8,16"),
     "scaling_tokens": ("16,64,256", "16,32,64,128,256"),
     "scaling_gib": (0.125, 1.0),
@@ -141,6 +145,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--store-blocks", type=int, default=None, help="lookup store size")
     parser.add_argument("--store-sizes", default=None, help="scaling store-size checkpoints")
+    parser.add_argument(
+        "--scale-sizes", default=None, help="scale suite: store sizes the commands run at"
+    )
     parser.add_argument("--scaling-threads", default=None)
     parser.add_argument("--scaling-tokens", default=None)
     parser.add_argument("--scaling-gib", type=float, default=None)
@@ -370,6 +377,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "scaling": _run_scaling,
     "compression": _run_compression,
     "overhead": _run_overhead,
+    "scale": lambda args, base: scale.run(base, _ints(args.scale_sizes)),
     "tier": lambda args, base: tier.run(
         base / "tier",
         _names(args.models)[0],
@@ -386,6 +394,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "compression": compression.table,
     "overhead": overhead.table,
     "tier": tier.table,
+    "scale": scale.table,
 }
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "throughput": throughput.plot,

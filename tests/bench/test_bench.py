@@ -19,7 +19,7 @@ TINY = [
     "--layouts", "tp=2:tp=1", "--layout-gib", "0.01",
     "--scaling-threads", "1,2", "--scaling-tokens", "16", "--scaling-gib", "0.01",
     "--compression-gib", "0.01", "--overhead-blocks", "50", "--durability", "none",
-    "--tier-lookup-blocks", "16",
+    "--tier-lookup-blocks", "16", "--scale-sizes", "1100,1300",
 ]  # fmt: skip
 
 
@@ -54,6 +54,13 @@ def test_every_suite_runs_and_renders(tmp_path: Path, capsys: pytest.CaptureFixt
         "zstd-1",
         "zstd-3",
     }
+    scale = report["suites"]["scale"]
+    assert [r["store_blocks"] for r in scale["sizes"]] == [1100, 1300]
+    for row in scale["sizes"]:
+        for name, command in row["commands"].items():
+            assert command["exit"] in (0, 1), (name, command["stderr_tail"])
+            assert 10 < command["peak_rss_mb"] < 600, (name, command)
+    assert set(scale["growth"]) == {name for name, _ in bench.scale.COMMANDS}
     assert any(t["what"].startswith("lookup") for t in report["targets"])
     text = page.read_text()
     assert "python scripts/bench.py" in text and "## Compression" in text
@@ -128,3 +135,26 @@ def test_the_page_regenerates_its_hand_sections_as_they_are() -> None:
     assert text[start:] == "\n".join(bench_report.page_tail(text)[1:]) + "\n"
     for link in ("notes/tier-rounds.md", "notes/tmpfs-rounds.md"):
         assert f"]({link})" in bench_report.HISTORY and (PAGE.parent / link).is_file()
+
+
+def test_scale_measures_the_command_not_this_process() -> None:
+    """A child's peak RSS is its own: this process's memory (here 300 MB more) never counts."""
+    ballast = bytearray(300 << 20)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # resident, not just reserved
+    result = bench.scale.run_command(["kvstore.cli", "--version"])
+    assert result["exit"] == 0
+    assert 5 < result["peak_rss_mb"] < 200, result
+    del ballast
+
+
+def test_scale_growth_extrapolates_from_the_two_largest_sizes() -> None:
+    def row(blocks: int, rss: float, seconds: float) -> dict[str, object]:
+        return {"store_blocks": blocks, "commands": {"c": {"peak_rss_mb": rss, "seconds": seconds}}}
+
+    rows = [row(10_000, 50.0, 1.0), row(100_000, 50.0, 10.0), row(1_000_000, 500.0, 100.0)]
+    g = bench.scale.growth(rows)["c"]
+    assert g["rss_growth"] == 10.0
+    # 450 MB per 900k blocks: 0.5 KB per block, ~50 GB more at 10^8.
+    assert g["rss_mb_at_1e8"] == round(500 + 450 / 900_000 * (10**8 - 1_000_000))
+    assert g["hours_at_1e8"] == round((100 + 90 / 900_000 * (10**8 - 1_000_000)) / 3600, 1)
+    assert bench.scale.growth(rows[:1]) == {}
