@@ -7,7 +7,9 @@
 #   3. the `gpu`-marked tests (conformance suite on real CUDA/kvikio, wsum64 on the device);
 #   4. the engines benchmark (kvstore.bench.engines): write and cold-read GB/s of the host,
 #      pinned and gds engines vs raw O_DIRECT file I/O and vs torch D2H + os.pwrite, with the
-#      0.8x-of-raw targets; plus fio for reference when fio is installed.
+#      0.8x-of-raw targets; plus fio for reference when fio is installed;
+#   5. where SGLang is installed, a real SGLang server with kvstore as HiCache storage, across a
+#      restart (scripts/sglang_gpu_check.py).
 #
 # Logs go to $OUT (when set) or ./gpu-check-out. Every step has its own timeout; a failing
 # step is reported and the next one still runs. Exit status: 0 when the gpu tests passed.
@@ -151,6 +153,16 @@ else
     note "fio not installed: the raw O_DIRECT baseline of bench_engines is the floor"
 fi
 rmdir "$SCRATCH" 2>/dev/null || true
+
+# 5. SGLang with kvstore as its HiCache L3 storage (docs/sglang.md): a tiny random-weight model
+# served, restarted on the same store, the same request. Only where SGLang's full install is
+# present (its GPU kernels cannot come from the carried wheels).
+if "$PY" -c 'import sglang.srt.entrypoints.http_server' >/dev/null 2>&1; then
+    step sglang-serve 420 "$PY" scripts/sglang_gpu_check.py --workdir "$OUT_DIR/sglang" \
+        --write-tp 1 --read-tp 1
+else
+    note "SGLang not installed: the SGLang server check (scripts/sglang_gpu_check.py) did not run"
+fi
 
 note "== done: gpu tests rc=$TESTS_RC"
 cat "$SUMMARY"

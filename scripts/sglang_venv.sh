@@ -7,6 +7,7 @@
 #
 #   PY=$(scripts/sglang_venv.sh | tail -n1)
 #   PYTHONPATH=$PWD "$PY" -m pytest tests/sglang
+#   scripts/sglang_venv.sh --if-built   # its python if it is built, else exit 3, building nothing
 #
 # Location: $KVTEST_SGLANG_VENV, else ~/.cache/kvstore-sglang/venv-<hash of
 # tests/sglang/requirements-sglang.txt and this script>, so a fresh clone on the same machine
@@ -42,6 +43,10 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$hash" ] && [ -x "$venv/bin/python"
   log "reusing $venv"
   echo "$venv/bin/python"
   exit 0
+fi
+if [ "${1:-}" = "--if-built" ]; then
+  log "not built: $venv (scripts/sglang_venv.sh builds it)"
+  exit 3
 fi
 if [ -e "$venv" ]; then
   log "removing incomplete venv $venv"
