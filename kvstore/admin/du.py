@@ -41,11 +41,10 @@ def usage(scan: StoreScan) -> dict[str, Any]:
         def mine(items: Iterable[Entry | HeldFile], name: str = ns.name) -> list[Any]:
             return [i for i in items if i.namespace == name]
 
-        blocks = mine(scan.blocks)
         groups = [
-            {"group": g.index, "blocks": len(sel), "bytes": sum(b.size for b in sel)}
+            {"group": g.index, "blocks": tally.blocks, "bytes": tally.bytes}
             for g in ns.groups
-            for sel in [[b for b in blocks if b.group == g.index]]
+            for tally in [scan.tally(ns.name, g.index)]
         ]
         temp, quarantine, trash = (
             _count(mine(scan.temps)),
@@ -57,7 +56,7 @@ def usage(scan: StoreScan) -> dict[str, Any]:
         namespaces.append(
             {
                 "name": ns.name,
-                "blocks": len(blocks),
+                "blocks": sum(g["blocks"] for g in groups),
                 "block_bytes": block_bytes,
                 "groups": groups,
                 "temp": temp,
@@ -75,9 +74,10 @@ def usage(scan: StoreScan) -> dict[str, Any]:
     root_foreign = _count(f for f in scan.foreign if f.namespace is None)
     removed = _count(scan.removed)
     counted = gc_usage(scan)
+    everything = scan.tally()
     total = {
-        "blocks": len(scan.blocks),
-        "block_bytes": sum(b.size for b in scan.blocks),
+        "blocks": everything.blocks,
+        "block_bytes": everything.bytes,
         "temp": _count(scan.temps),
         "quarantine": _count(scan.quarantine),
         "trash": _count(scan.trash),
@@ -106,7 +106,7 @@ def problems(scan: StoreScan, *, namespaces: bool = True) -> list[dict[str, str]
 def gc_usage(scan: StoreScan) -> int:
     """Bytes ``kvstore gc`` counts against ``--max-bytes``: all but trash and removed namespaces."""
     return (
-        sum(b.size for b in scan.blocks)
+        scan.tally().bytes
         + sum(t.size for t in scan.temps)
         + sum(q.size for q in scan.quarantine)
         + sum(f.size for f in scan.foreign)
@@ -187,7 +187,7 @@ def run(root: Path, *, as_json: bool) -> int:
     """``kvstore du``: exit 0, or 1 when something could not be read (figures incomplete)."""
     store = open_root(root)
     with Progress(fanout_dirs(store.namespaces), "scanning") as bar:
-        scan = scan_store(store, on_dir=bar.update)
+        scan = scan_store(store, on_dir=bar.update, keep_blocks=False)
     doc = usage(scan)
     for problem in doc["problems"]:
         warn(f"cannot read {problem['path']}: {problem['detail']}")

@@ -10,7 +10,6 @@ listed) is reported on stderr and under ``problems``; the rest is listed and the
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from kvstore.admin.du import problems
 from kvstore.admin.progress import Progress
 from kvstore.admin.report import print_json, print_lines, table, warn
 from kvstore.admin.scan import (
+    BlockTally,
     Entry,
     fanout_dirs,
     open_root,
@@ -64,9 +64,8 @@ class NamespaceSummary:
         }
 
 
-def summarize(ns: NamespaceView, blocks: list[Entry]) -> NamespaceSummary:
-    """A namespace's row from its identity and its block entries."""
-    times = [b.mtime_ns for b in blocks]
+def summarize(ns: NamespaceView, tally: BlockTally) -> NamespaceSummary:
+    """A namespace's row from its identity and the tally of its blocks."""
     return NamespaceSummary(
         name=ns.name,
         model=ns.identity.model,
@@ -74,11 +73,11 @@ def summarize(ns: NamespaceView, blocks: list[Entry]) -> NamespaceSummary:
         dtype=ns.identity.kv_dtype,
         tokens_per_block=ns.identity.tokens_per_block,
         groups=len(ns.groups),
-        blocks=len(blocks),
+        blocks=tally.blocks,
         hash_lookahead_tokens=ns.identity.hash_lookahead_tokens,
-        bytes=sum(b.size for b in blocks),
-        oldest_ns=min(times) if times else None,
-        newest_ns=max(times) if times else None,
+        bytes=tally.bytes,
+        oldest_ns=tally.oldest_ns,
+        newest_ns=tally.newest_ns,
     )
 
 
@@ -86,11 +85,8 @@ def list_namespaces(root: Path, *, progress: bool = True) -> dict[str, Any]:
     """The JSON document of ``kvstore ls ROOT``."""
     store = open_root(root)
     with Progress(fanout_dirs(store.namespaces), "scanning", enabled=progress) as bar:
-        scan = scan_store(store, on_dir=bar.update)
-    by_ns: dict[str, list[Entry]] = defaultdict(list)
-    for block in scan.blocks:
-        by_ns[block.namespace or ""].append(block)
-    rows = [summarize(ns, by_ns[ns.name]) for ns in store.namespaces]
+        scan = scan_store(store, on_dir=bar.update, keep_blocks=False)
+    rows = [summarize(ns, scan.tally(ns.name)) for ns in store.namespaces]
     return {
         "root": str(store.root),
         "namespaces": [r.to_json() for r in rows],
@@ -113,7 +109,7 @@ def list_blocks(root: Path, name: str, *, progress: bool = True) -> dict[str, An
     rows.sort(key=lambda r: (-r["last_access_ns"], r["group"], r["hash_hi"], r["hash_lo"]))
     return {
         "root": str(store.root),
-        "namespace": summarize(ns, scan.blocks).to_json(),
+        "namespace": summarize(ns, scan.tally(ns.name)).to_json(),
         "blocks": rows,
         "problems": problems(scan, namespaces=False),
     }

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import os
 import stat
+from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,8 @@ from kvstore.store.view import GroupView, NamespaceView, Problem, StoreView
 
 # Threads listing fan-out directories (GlusterFS, 2 cores: 256 listings 2-3x faster with 8).
 SCAN_THREADS = 8
+# Fan-out listings queued ahead of the one being sorted: enough to keep the threads busy.
+LISTINGS_AHEAD = 2 * SCAN_THREADS
 
 BLOCK = "block"
 TEMP = "temp"
@@ -88,10 +91,43 @@ class HeldFile:
 
 
 @dataclass
+class BlockTally:
+    """Published blocks of one group (or more, merged): count, bytes, oldest and newest use."""
+
+    blocks: int = 0
+    bytes: int = 0
+    oldest_ns: int | None = None
+    newest_ns: int | None = None
+
+    def add(self, size: int, mtime_ns: int) -> None:
+        self.blocks += 1
+        self.bytes += size
+        if self.oldest_ns is None or mtime_ns < self.oldest_ns:
+            self.oldest_ns = mtime_ns
+        if self.newest_ns is None or mtime_ns > self.newest_ns:
+            self.newest_ns = mtime_ns
+
+    def merge(self, other: BlockTally) -> None:
+        self.blocks += other.blocks
+        self.bytes += other.bytes
+        for when in (other.oldest_ns, other.newest_ns):
+            if when is not None:
+                self.oldest_ns = when if self.oldest_ns is None else min(self.oldest_ns, when)
+                self.newest_ns = when if self.newest_ns is None else max(self.newest_ns, when)
+
+
+@dataclass
 class StoreScan:
-    """Everything :func:`scan_store` found."""
+    """Everything :func:`scan_store` found.
+
+    Published blocks are always tallied per group (:attr:`tallies`: what ``ls`` and ``du``
+    report, in memory independent of the store's size); their entries are kept in
+    :attr:`blocks` only when the scan was asked to (``keep_blocks``: gc and verify need them).
+    """
 
     store: StoreView
+    keep_blocks: bool = True
+    tallies: dict[tuple[str, int], BlockTally] = field(default_factory=dict)
     blocks: list[Entry] = field(default_factory=list)
     temps: list[Entry] = field(default_factory=list)
     foreign: list[Entry] = field(default_factory=list)
@@ -108,6 +144,14 @@ class StoreScan:
     def complete(self) -> bool:
         """Whether every directory could be listed (else usage figures are lower bounds)."""
         return not self.unreadable
+
+    def tally(self, namespace: str | None = None, group: int | None = None) -> BlockTally:
+        """The published blocks of the whole scan, of one namespace, or of one of its groups."""
+        out = BlockTally()
+        for (name, index), part in self.tallies.items():
+            if (namespace is None or name == namespace) and (group is None or index == group):
+                out.merge(part)
+        return out
 
 
 def _listing(path: str | Path, unreadable: list[Problem]) -> list[tuple[str, os.stat_result]]:
@@ -129,14 +173,18 @@ def scan_store(
     *,
     on_dir: Callable[[], None] | None = None,
     arrays: bool = True,
+    keep_blocks: bool = True,
 ) -> StoreScan:
     """List the store (or only ``namespaces``; then root-level entries are skipped).
 
     ``on_dir`` is called once per fan-out directory listed (progress bars: there are
     :func:`fanout_dirs` of them). ``arrays=False`` skips the group arrays (no blocks, no
     per-block ``stat``): only root entries and each namespace's own entries, quarantine, trash.
+    ``keep_blocks=False`` tallies published blocks without keeping an entry for each: the
+    scan then holds at most a few fan-out directories' listings at a time, whatever the store's
+    size.
     """
-    scan = StoreScan(store)
+    scan = StoreScan(store, keep_blocks)
     whole = namespaces is None
     chosen = list(store.namespaces if namespaces is None else namespaces)
     if whole:
@@ -169,7 +217,7 @@ def _scan_root(store: StoreView, scan: StoreScan) -> None:
         elif (name.startswith((DOC_TMP_PREFIX, PROBE_PREFIX))) and stat.S_ISREG(st.st_mode):
             scan.temps.append(_entry(TEMP, path, None, None, -1, -1, st))
         else:
-            scan.foreign.append(_foreign(path, None, None, st, scan))
+            scan.foreign.append(_foreign(path, None, None, st, scan.unreadable))
 
 
 def _scan_namespace(
@@ -195,7 +243,7 @@ def _scan_namespace(
         else:
             # Includes a ``trash`` or ``quarantine`` that is not a real directory (a link, a
             # file, a FIFO): never entered, never moved into; gc and verify say so.
-            scan.foreign.append(_foreign(path, ns.name, None, st, scan))
+            scan.foreign.append(_foreign(path, ns.name, None, st, scan.unreadable))
     if arrays:
         for group in ns.groups:
             _scan_group(ns, group, scan, on_dir)
@@ -213,17 +261,29 @@ def _scan_group(
         if name in valid_hi and stat.S_ISDIR(st.st_mode):
             present.append(int(name))
         else:
-            scan.foreign.append(_foreign(f"{fanout}{os.sep}{name}", ns.name, group.index, st, scan))
+            scan.foreign.append(
+                _foreign(f"{fanout}{os.sep}{name}", ns.name, group.index, st, scan.unreadable)
+            )
     present.sort()
-    directories = [f"{fanout}{os.sep}{hi}" for hi in present]
-    # On a shared file system every listing and stat is a network round trip: list the fan-out
-    # directories on threads (merged in order: the scan is exactly what a serial one finds).
+    # On a shared file system every listing and stat is a network round trip: the fan-out
+    # directories are listed and sorted on threads, each into a part of its own, merged in
+    # order (the scan is exactly what a serial one finds). At most LISTINGS_AHEAD parts exist
+    # at once, and a part holds no block entry unless the scan keeps them: memory stays a few
+    # directories' worth of temporary and foreign entries, whatever the store's size.
     with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="kvstore-scan") as pool:
-        for hi, listed in zip(present, pool.map(_list_or_error, directories), strict=True):
-            if isinstance(listed, Problem):
-                scan.unreadable.append(listed)
-            else:
-                _scan_fanout(ns, group, hi, f"{fanout}{os.sep}{hi}", listed, scan)
+        pending: deque[Future[FanoutPart]] = deque()
+        queued = iter(present)
+        for _ in present:
+            while len(pending) < LISTINGS_AHEAD:
+                hi = next(queued, None)
+                if hi is None:
+                    break
+                pending.append(
+                    pool.submit(
+                        _scan_fanout, ns, group, hi, f"{fanout}{os.sep}{hi}", scan.keep_blocks
+                    )
+                )
+            pending.popleft().result().merge_into(scan, (ns.name, group.index))
             if on_dir is not None:
                 on_dir()
     if on_dir is not None:
@@ -248,7 +308,7 @@ def _enter_chain(ns: NamespaceView, group: GroupView, scan: StoreScan) -> str | 
             if depth == 0 and stat.S_ISREG(st.st_mode) and _is_array_document(name):
                 continue
             scan.foreign.append(
-                _foreign(f"{directory}{os.sep}{name}", ns.name, group.index, st, scan)
+                _foreign(f"{directory}{os.sep}{name}", ns.name, group.index, st, scan.unreadable)
             )
         if not entered:
             return None
@@ -262,35 +322,54 @@ def _is_array_document(name: str) -> bool:
     return name == ZARR_JSON or name.startswith(DOC_TMP_PREFIX)
 
 
-def _list_or_error(directory: str) -> list[tuple[str, os.stat_result]] | Problem:
+@dataclass
+class FanoutPart:
+    """What one fan-out directory holds, sorted (by a scan thread) before it joins the scan."""
+
+    tally: BlockTally = field(default_factory=BlockTally)
+    blocks: list[Entry] = field(default_factory=list)
+    temps: list[Entry] = field(default_factory=list)
+    foreign: list[Entry] = field(default_factory=list)
+    unreadable: list[Problem] = field(default_factory=list)
+
+    def merge_into(self, scan: StoreScan, key: tuple[str, int]) -> None:
+        if self.tally.blocks:
+            tally = scan.tallies.get(key)
+            if tally is None:
+                tally = scan.tallies[key] = BlockTally()
+            tally.merge(self.tally)
+        scan.blocks += self.blocks
+        scan.temps += self.temps
+        scan.foreign += self.foreign
+        scan.unreadable += self.unreadable
+
+
+def _scan_fanout(
+    ns: NamespaceView, group: GroupView, hi: int, directory: str, keep_blocks: bool
+) -> FanoutPart:
+    """List and sort one fan-out directory, one entry at a time (:func:`paths.iter_dir`)."""
+    part = FanoutPart()
     try:
-        return paths.list_dir(directory)
+        for name, st in paths.iter_dir(directory):
+            path = f"{directory}{os.sep}{name}"
+            if not stat.S_ISREG(st.st_mode):
+                part.foreign.append(_foreign(path, ns.name, group.index, st, part.unreadable))
+                continue
+            lo = paths.parse_lo(name)
+            if lo is not None:
+                part.tally.add(st.st_size, st.st_mtime_ns)
+                if keep_blocks:
+                    part.blocks.append(_entry(BLOCK, path, ns.name, group.index, hi, lo, st))
+                continue
+            lo = paths.parse_temp_lo(name)  # ``.<lo>.tmp-<token>``, or the shape before the dot
+            if lo is not None:
+                part.temps.append(_entry(TEMP, path, ns.name, group.index, hi, lo, st))
+            else:
+                part.foreign.append(_foreign(path, ns.name, group.index, st, part.unreadable))
     except OSError as exc:
-        return Problem(Path(directory), _why(exc))
-
-
-def _scan_fanout(  # noqa: PLR0913 - one fan-out directory's position in the walk (namespace, group, hi, path), its listing and the scan it fills
-    ns: NamespaceView,
-    group: GroupView,
-    hi: int,
-    directory: str,
-    listed: list[tuple[str, os.stat_result]],
-    scan: StoreScan,
-) -> None:
-    for name, st in listed:
-        path = f"{directory}{os.sep}{name}"
-        if not stat.S_ISREG(st.st_mode):
-            scan.foreign.append(_foreign(path, ns.name, group.index, st, scan))
-            continue
-        lo = paths.parse_lo(name)
-        if lo is not None:
-            scan.blocks.append(_entry(BLOCK, path, ns.name, group.index, hi, lo, st))
-            continue
-        lo = paths.parse_temp_lo(name)  # ``.<lo>.tmp-<token>``, or the shape before the dot
-        if lo is not None:
-            scan.temps.append(_entry(TEMP, path, ns.name, group.index, hi, lo, st))
-        else:
-            scan.foreign.append(_foreign(path, ns.name, group.index, st, scan))
+        # Unreadable (EACCES, EIO), or failing part-way: what was sorted before counts.
+        part.unreadable.append(Problem(Path(directory), _why(exc)))
+    return part
 
 
 def tree_usage(path: str, unreadable: list[Problem] | None = None) -> tuple[int, int]:
@@ -337,10 +416,14 @@ def _entry(  # noqa: PLR0913 - one argument per Entry field a listed file fills;
 
 
 def _foreign(
-    path: str, namespace: str | None, group: int | None, st: os.stat_result, scan: StoreScan
+    path: str,
+    namespace: str | None,
+    group: int | None,
+    st: os.stat_result,
+    unreadable: list[Problem],
 ) -> Entry:
     is_dir = stat.S_ISDIR(st.st_mode)
-    size = tree_usage(path, scan.unreadable)[1] if is_dir else st.st_size
+    size = tree_usage(path, unreadable)[1] if is_dir else st.st_size
     return Entry(
         FOREIGN,
         path,

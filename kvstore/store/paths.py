@@ -246,31 +246,48 @@ def list_dir(
     without following a link (:func:`~kvstore.io.entries.open_dir_nofollow`), and one that is
     not a real directory raises :class:`~kvstore.errors.EntryKindError` naming it. Either way
     a missing directory lists as empty and entries that vanish while listed are left out; any
-    other failure (EACCES, EIO, ...) raises that ``OSError``. Every tool lists through here.
+    other failure (EACCES, EIO, ...) raises that ``OSError``.
     """
+    return list(iter_dir(path, root=root))
+
+
+def iter_dir(
+    path: str | Path, *, root: str | Path | None = None
+) -> Iterator[tuple[str, os.stat_result]]:
+    """:func:`list_dir` one entry at a time: a directory of any size in constant memory.
+
+    The directory is opened (and a failure to open it raised) at the call, not at the first
+    ``next``; an error while reading it is raised from the iteration. Every tool lists
+    through here."""
+    fd = _open_listed(path, root)
+    return iter(()) if fd is None else _entries(fd)
+
+
+def _open_listed(path: str | Path, root: str | Path | None) -> int | None:
+    """The directory's descriptor for :func:`iter_dir`; None when it lists as empty."""
     try:
         if root is None:
-            fd = os.open(path, _DIR_FLAGS)
-        else:
-            fd = open_dir_nofollow(root, Path(path).relative_to(root).parts)
+            return os.open(path, _DIR_FLAGS)
+        return open_dir_nofollow(root, Path(path).relative_to(root).parts)
     except (FileNotFoundError, NotADirectoryError):
-        return []
+        return None
     except EntryKindError:
         raise
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # a symbolic link: not entered
-            return []
+            return None
         raise
+
+
+def _entries(fd: int) -> Iterator[tuple[str, os.stat_result]]:
     try:
         with os.scandir(fd) as it:
-            names = [entry.name for entry in it]
-        out = []
-        for name in names:
-            try:
-                out.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
-            except FileNotFoundError:
-                continue
-        return out
+            for entry in it:
+                try:
+                    st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                yield entry.name, st
     finally:
         os.close(fd)
 

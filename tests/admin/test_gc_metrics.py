@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,17 +178,17 @@ def test_one_pass_metrics_unreadable_directory(
     written = write(group, hashes)
     hidden = Path(written[0]).parent
     assert any(Path(p).parent != hidden for p in written)
-    real_list_dir = paths.list_dir
+    real_iter_dir = paths.iter_dir
 
-    def list_dir(
+    def iter_dir(
         p: str | Path, *, root: str | Path | None = None
-    ) -> list[tuple[str, os.stat_result]]:
+    ) -> Iterator[tuple[str, os.stat_result]]:
         if Path(p) == hidden:
             raise PermissionError(13, "Permission denied", str(p))
-        return real_list_dir(p, root=root)
+        return real_iter_dir(p, root=root)
 
     if os.geteuid() == 0:
-        monkeypatch.setattr(paths, "list_dir", list_dir)
+        monkeypatch.setattr(paths, "iter_dir", iter_dir)
     hidden.chmod(0)
     metrics = textdir / "gc.prom"
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -164,3 +165,59 @@ def test_scan_sorts_every_file(root: Path, populated: dict[str, Identity]) -> No
             if name == "zarr.json":
                 continue
             assert path in seen, path
+
+
+def test_a_tallying_scan_keeps_no_block_entries_and_counts_the_same(
+    root: Path, populated: dict[str, Identity]
+) -> None:
+    """``ls`` and ``du`` scan with keep_blocks=False: per-group tallies, no entry per block,
+    the same counts, bytes and use times as the entries of a full scan."""
+    store = open_root(root)
+    full = scan_store(store)
+    tallied = scan_store(store, keep_blocks=False)
+    assert tallied.blocks == [] and len(full.blocks) == 5 + 7 + 2
+    for ns in store.namespaces:
+        for group in ns.groups:
+            entries = [b for b in full.blocks if b.namespace == ns.name and b.group == group.index]
+            tally = tallied.tally(ns.name, group.index)
+            assert tally.blocks == len(entries)
+            assert tally.bytes == sum(b.size for b in entries)
+            assert tally.oldest_ns == min(b.mtime_ns for b in entries)
+            assert tally.newest_ns == max(b.mtime_ns for b in entries)
+    assert tallied.tally().blocks == len(full.blocks)
+    assert tallied.tally("no-such-namespace").blocks == 0
+    assert tallied.tally("no-such-namespace").oldest_ns is None
+    assert [t.path for t in tallied.temps] == [t.path for t in full.temps]
+
+
+def test_the_scan_lists_a_bounded_window_of_fanout_directories(
+    root: Path, populated: dict[str, Identity], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fan-out directories are sorted into parts at most LISTINGS_AHEAD ahead of the one being
+    merged (the parts held at once never grow with the store), and the result is a serial
+    scan's."""
+    from kvstore.admin import scan as scan_module  # noqa: PLC0415
+
+    store = open_root(root)
+    expected = [b.path for b in scan_store(store).blocks]
+    outstanding = 0
+    most = 0
+    real_scan = scan_module._scan_fanout
+    real_merge = scan_module.FanoutPart.merge_into
+
+    def sort(*args: Any) -> Any:
+        nonlocal outstanding, most
+        outstanding += 1
+        most = max(most, outstanding)
+        return real_scan(*args)
+
+    def merge(part: Any, *args: Any) -> None:
+        nonlocal outstanding
+        outstanding -= 1
+        real_merge(part, *args)
+
+    monkeypatch.setattr(scan_module, "LISTINGS_AHEAD", 3)
+    monkeypatch.setattr(scan_module, "_scan_fanout", sort)
+    monkeypatch.setattr(scan_module.FanoutPart, "merge_into", merge)
+    assert [b.path for b in scan_store(store).blocks] == expected
+    assert 1 <= most <= 3

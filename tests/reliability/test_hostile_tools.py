@@ -223,17 +223,17 @@ def test_no_tool_hangs_on_a_fifo(populated: tuple[Path, str, list[str]], where: 
 def unreadable(path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Make directory ``path`` unreadable: mode 000, and (root reads everything) a
     PermissionError injected at the one listing every tool goes through (store.paths)."""
-    real_list_dir = paths.list_dir
+    real_iter_dir = paths.iter_dir
 
-    def list_dir(
+    def iter_dir(
         p: str | Path, *, root: str | Path | None = None
-    ) -> list[tuple[str, os.stat_result]]:
+    ) -> Iterator[tuple[str, os.stat_result]]:
         if Path(p) == path:
             raise PermissionError(13, "Permission denied", str(p))
-        return real_list_dir(p, root=root)
+        return real_iter_dir(p, root=root)
 
     if os.geteuid() == 0:
-        monkeypatch.setattr(paths, "list_dir", list_dir)
+        monkeypatch.setattr(paths, "iter_dir", iter_dir)
     mode = stat.S_IMODE(path.stat().st_mode)
     path.chmod(0)
     try:
