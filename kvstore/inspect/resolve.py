@@ -6,7 +6,7 @@
   of a hash are encoded in the shard file's path, so prefixes up to that length are resolved
   from directory listings alone (a block whose header is damaged is still found); longer
   prefixes are confirmed against the headers. A prefix of two or more digits lists one
-  fan-out directory only.
+  fan-out directory only; a full hash lists none (one ``lstat`` of its path).
 * ``--heads`` / ``--layers`` selections are ``N`` or ``A:B`` (Python slice bounds, either
   side may be empty).
 """
@@ -73,10 +73,16 @@ def find_block(group: GroupView, text: str) -> BlockRef:
     """
     value = parse_hex(text)
     full = len(value) % 2 == 0 and len(value) >= 2 * MIN_HASH_BYTES
-    digits = "0123456789abcdef"
-    fanouts = [int(value[:2], 16)] if len(value) >= 2 else [int(value + d, 16) for d in digits]
+    if full:
+        # A full hash names one path: one lstat, whatever the size of its fan-out directory.
+        found = group.file_of(bytes.fromhex(value))
+        candidates = [] if found is None else [found]
+    else:
+        digits = "0123456789abcdef"
+        fanouts = [int(value[:2], 16)] if len(value) >= 2 else [int(value + d, 16) for d in digits]
+        candidates = group.files(fanouts)
     refs: list[BlockRef] = []
-    for f in group.files(fanouts):
+    for f in candidates:
         if not f.path_hex.startswith(value[:PATH_HEX_DIGITS]):
             continue
         header, _ = quick_header(group, f.path)

@@ -190,6 +190,14 @@ class ArrayPaths:
         for hi in fanouts:
             yield from list_blocks(self.fanout_dir(hi), hi, root=root, problems=problems)
 
+    def block_file(
+        self, block_hash: bytes, *, root: Path | None = None, problems: Problems | None = None
+    ) -> BlockFile | None:
+        """The published shard file of ``block_hash`` with one ``lstat`` (no listing), or
+        None. See :func:`block_file`."""
+        hi, lo = hash_coords(block_hash)
+        return block_file(self.fanout_dir(hi), hi, lo, root=root, problems=problems)
+
     def list_temps(
         self,
         fanouts: Iterable[int] = FANOUT,
@@ -224,6 +232,62 @@ def list_blocks(
                 f"{directory / name}: expected a block file, got {describe_kind(st.st_mode)} "
                 "(never opened)"
             )
+
+
+def block_file(
+    directory: Path,
+    hash_hi: int,
+    hash_lo: int,
+    *,
+    root: Path | None = None,
+    problems: Problems | None = None,
+) -> BlockFile | None:
+    """The shard file at ``(hash_hi, hash_lo)`` in fan-out directory ``directory``, found with
+    one ``lstat`` in that directory (opened as :func:`list_dir` opens it), or None: missing, or
+    not a regular file (never opened; recorded in ``problems``), or a directory that cannot be
+    entered (recorded too). What :func:`list_blocks` would yield for that name."""
+    name = str(hash_lo)
+    st = _lstat_in(directory, name, root, problems)
+    if st is None:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return BlockFile(directory / name, hash_hi, hash_lo, st.st_size, st.st_mtime_ns)
+    if problems is not None:
+        problems[str(directory / name)] = (
+            f"{directory / name}: expected a block file, got {describe_kind(st.st_mode)} "
+            "(never opened)"
+        )
+    return None
+
+
+def _lstat_in(
+    directory: Path, name: str, root: Path | None, problems: Problems | None
+) -> os.stat_result | None:
+    """``lstat`` of ``name`` in ``directory`` (entered as :func:`list_dir` enters it); None
+    when either is missing or the directory cannot be entered (then recorded in
+    ``problems``)."""
+    try:
+        fd = _open_listed(directory, root)
+        if fd is None:
+            return None
+    except EntryKindError as exc:
+        if problems is not None:
+            problems.setdefault(str(exc).split(":", 1)[0], f"{exc} (not entered)")
+        return None
+    except OSError as exc:
+        if problems is not None:
+            problems[str(directory)] = f"{directory}: cannot list ({describe_os_error(exc)})"
+        return None
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if problems is not None:
+            problems[str(directory / name)] = f"{directory / name}: {describe_os_error(exc)}"
+        return None
+    finally:
+        os.close(fd)
 
 
 def list_temps(

@@ -136,6 +136,14 @@ class GroupView:
         found.sort(key=lambda f: (f.hash_hi, f.hash_lo))
         return found
 
+    def file_of(self, block_hash: bytes) -> BlockFile | None:
+        """The published shard file of ``block_hash``, with one ``lstat`` and the same rules
+        as :meth:`files` (None: no such file; a name that is not a regular file, or a
+        directory that cannot be entered, also goes to :attr:`listing_problems`)."""
+        return self.paths.block_file(
+            block_hash, root=self.store_root, problems=self.listing_problems
+        )
+
     def temp_files(self) -> list[Path]:
         """Leftover temporary files of interrupted writes."""
         return list(self.paths.list_temps(root=self.store_root, problems=self.listing_problems))

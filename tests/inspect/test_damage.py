@@ -6,7 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
+from kvstore.errors import InspectError
 from kvstore.inspect.resolve import find_block, find_namespace
 from kvstore.store.format import HEADER_FIXED_NBYTES
 from kvstore.store.view import GroupView, StoreView
@@ -205,3 +207,38 @@ def test_documents_not_as_prescribed_and_leftovers_are_findings(
     assert any("directory name: expected" in p for p in by_name[renamed.name]["problems"])
     code, out, _ = run("overview", store_copy)
     assert code == 1 and out.count("PROBLEM:") == 2
+
+
+def test_a_full_hash_is_found_with_one_lstat_and_no_listing(
+    reference: Reference, store_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full hash names one path: find_block stats it and lists no fan-out directory (at
+    10^8 blocks one lists ~390k entries); a damaged header is still found by its full hash,
+    and a link at the name is never followed: not found, and reported."""
+    from kvstore.store import paths as store_paths  # noqa: PLC0415
+
+    space = reference.bf16
+    group = group_of(store_copy, space)
+    listed: list[str] = []
+    real_iter_dir = store_paths.iter_dir
+
+    def iter_dir(p: Any, *, root: Any = None) -> Any:
+        listed.append(str(p))
+        return real_iter_dir(p, root=root)
+
+    monkeypatch.setattr(store_paths, "iter_dir", iter_dir)
+    full = space.names["x1"]
+    ref = find_block(group, full.hex())
+    assert ref.block_hash == full and ref.file.path == group.path_of(full)
+    flip(ref.file.path, 60)  # the header's crc fails: still found, by the bits of its path
+    assert find_block(group, full.hex()).block_hash == full
+    assert listed == []
+    other = space.names["a1"]
+    target = group.path_of(other)
+    target.unlink()
+    target.symlink_to(ref.file.path)
+    with pytest.raises(InspectError, match="found none"):
+        find_block(group, other.hex())
+    assert any(
+        "expected a block file, got a symbolic link" in v for v in group.listing_problems.values()
+    )
