@@ -106,6 +106,12 @@ def add_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         "textfile collector: name it *.prom); see docs/operating.md",
     )
     g.add_argument("--json", action="store_true", help=JSON_HELP)
+    g.add_argument(
+        "--list-victims",
+        action="store_true",
+        help="with --json: list every evicted block (by default a summary: counts, bytes, "
+        "per namespace, last-use range)",
+    )
     r = sub.add_parser(
         "rm",
         help="remove a namespace",
@@ -180,6 +186,7 @@ def dispatch(args: argparse.Namespace) -> int:
             grace_s=args.grace,
             tmp_age_s=args.tmp_age,
             dry_run=args.dry_run,
+            list_victims=args.list_victims,
         )
         return gc.run(
             args.root,

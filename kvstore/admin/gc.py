@@ -102,6 +102,9 @@ class Policy:
     grace_s: float = DEFAULT_GRACE_S
     tmp_age_s: float = DEFAULT_TMP_AGE_S
     dry_run: bool = False
+    # Whether the report lists every victim (``--list-victims``); else it summarises them
+    # (count, bytes, per namespace, last-use range): a pass may evict millions of blocks.
+    list_victims: bool = False
 
 
 def _remove_for_real(store: StoreView, findings: list[dict[str, str]]) -> EvictFn:
@@ -308,7 +311,10 @@ def gc_pass(
             "by_namespace": by_ns,
             "kept_recently_used": selection.refreshed,
             "already_gone": len(selection.gone),
-            "victims": [b.to_json() for b in selection.evicted],
+            "last_use": _last_use(selection.evicted),
+            **(
+                {"victims": [b.to_json() for b in selection.evicted]} if policy.list_victims else {}
+            ),
         },
         "after": {
             "blocks": len(blocks) - len(selection.evicted) - len(selection.gone),
@@ -317,6 +323,18 @@ def gc_pass(
         "over_budget": over,
         "headers_read": index.headers_read,
         "seconds": time.perf_counter() - started,
+    }
+
+
+def _last_use(victims: Sequence[Block]) -> dict[str, Any]:
+    """The range of the victims' last use (None when nothing was evicted)."""
+    times = [b.mtime_ns for b in victims]
+    oldest, newest = (min(times), max(times)) if times else (None, None)
+    return {
+        "oldest_ns": oldest,
+        "newest_ns": newest,
+        "oldest": iso_time(oldest),
+        "newest": iso_time(newest),
     }
 
 

@@ -54,7 +54,7 @@ def test_json_shapes(root: Path, ns: str, capsys: pytest.CaptureFixture[str]) ->
         "future_mtimes_reset", "findings", "by_namespace", "filesystem",
     }  # fmt: skip
     assert set(doc["evicted"]) == {
-        "blocks", "bytes", "by_namespace", "kept_recently_used", "already_gone", "victims",
+        "blocks", "bytes", "by_namespace", "kept_recently_used", "already_gone", "last_use",
     }  # fmt: skip
     rc, doc = cli_json(capsys, "rm", root, ns, "--yes", "--now")
     assert rc == 0 and set(doc) == {

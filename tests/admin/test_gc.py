@@ -56,7 +56,7 @@ def test_leaves_go_first(
     """Budget for 2 blocks: LRU alone would evict A and B (the oldest) and break the chain at
     its root; leaves-first evicts D (the oldest leaf), then C, and keeps the prefix A <- B."""
     paths, size = chain_plus_one
-    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 2 * size, "--dry-run")
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 2 * size, "--dry-run", "--list-victims")
     assert rc == 0
     c, d = chain_hashes(3)[2], block_hash(99)
     assert [v["hash"] for v in doc["evicted"]["victims"]] == [d.hex(), c.hex()]
@@ -64,6 +64,10 @@ def test_leaves_go_first(
     rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 2 * size)
     assert rc == 0
     assert present(paths) == [True, True, False, False]
+    # Without --list-victims the report summarises them: count, bytes, last-use range.
+    assert "victims" not in doc["evicted"] and doc["evicted"]["blocks"] == 2
+    last = doc["evicted"]["last_use"]
+    assert last["oldest_ns"] <= last["newest_ns"] and last["oldest"].endswith("Z")
     assert doc["after"]["usage"] == 2 * size and not doc["over_budget"]
     # Budget for 1: B is a leaf now and goes; the root of the chain stays.
     assert cli_json(capsys, "gc", root, "--max-bytes", size)[0] == 0
@@ -79,7 +83,7 @@ def test_max_age_leaves_first(
     assert rc == 0 and doc["evicted"]["blocks"] == 1
     assert present(paths) == [True, True, True, False]
     # Older than 50 s: everything, leaves first: C, then B, then A.
-    rc, doc = cli_json(capsys, "gc", root, "--max-age", "50")
+    rc, doc = cli_json(capsys, "gc", root, "--max-age", "50", "--list-victims")
     a, b, c = chain_hashes(3)
     assert [v["hash"] for v in doc["evicted"]["victims"]] == [c.hex(), b.hex(), a.hex()]
     assert present(paths) == [False] * 4
