@@ -85,34 +85,13 @@ def load_geometry(models: Path, name: str) -> Geometry:
 def host_pool(geo: Geometry, pages: int, page_tokens: int, layout: str, seed: int) -> Any:
     """A real SGLang host pool holding ``pages`` pages (plus SGLang's page 0), filled."""
     size = pages * page_tokens
-    if geo.mla:
-        kv_lora = geo.head_dim - 64
-        device = MLATokenToKVPool(
-            size,
-            page_tokens,
-            geo.dtype,
-            kv_lora,
-            64,
-            geo.layers,
-            "cpu",
-            False,
-            start_layer=0,
-            end_layer=geo.layers,
+    layers = {"start_layer": 0, "end_layer": geo.layers}
+    if geo.mla:  # the latent: kv_lora_rank + a 64-wide rope part
+        device: Any = MLATokenToKVPool(
+            size, page_tokens, geo.dtype, geo.head_dim - 64, 64, geo.layers, "cpu", False, **layers
         )
-        with host_memory_budget_scope(64 * GIB):
-            host = MLATokenToKVPoolHost(
-                device._mla_buffer_info(),
-                1,
-                0,
-                page_tokens,
-                layout,
-                pin_memory=False,
-                device="cpu",
-                device_capacity_tokens=size,
-                start_layer=0,
-                end_layer=geo.layers,
-                target_layer_num=geo.layers,
-            )
+        host_class: Any = MLATokenToKVPoolHost
+        buffers, extra = device._mla_buffer_info(), {"target_layer_num": geo.layers}
     else:
         device = MHATokenToKVPool(
             size,
@@ -123,22 +102,14 @@ def host_pool(geo: Geometry, pages: int, page_tokens: int, layout: str, seed: in
             geo.layers,
             "cpu",
             False,
-            start_layer=0,
-            end_layer=geo.layers,
+            **layers,
         )
-        with host_memory_budget_scope(64 * GIB):
-            host = MHATokenToKVPoolHost(
-                device._mha_buffer_info(),
-                1,
-                0,
-                page_tokens,
-                layout,
-                pin_memory=False,
-                device="cpu",
-                device_capacity_tokens=size,
-                start_layer=0,
-                end_layer=geo.layers,
-            )
+        host_class, buffers, extra = MHATokenToKVPoolHost, device._mha_buffer_info(), {}
+    with host_memory_budget_scope(64 * GIB):
+        host = host_class(
+            buffers, 1, 0, page_tokens, layout, pin_memory=False, device="cpu",
+            device_capacity_tokens=size, **layers, **extra,
+        )  # fmt: skip
     del device
     gen = torch.Generator().manual_seed(seed)
     host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=gen).to(geo.dtype))

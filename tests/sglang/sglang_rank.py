@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tests.sglang.real_pools import fill, mha_pools
+
 T, L, D, SIZE = 4, 3, 16, 256
 PAGE_AXIS = {"layer_first": 2, "page_first": 1, "page_first_direct": 1, "page_head": 1}
 
@@ -50,9 +52,6 @@ def main(spec_path: str) -> None:
 
     from sglang.srt.managers.cache_controller import HiCacheController  # noqa: PLC0415
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: PLC0415
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: PLC0415
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: PLC0415
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: PLC0415
     from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: PLC0415
     from sglang.srt.runtime_context import get_parallel  # noqa: PLC0415
 
@@ -63,22 +62,7 @@ def main(spec_path: str) -> None:
     override.__enter__()
     heads = spec["heads"] // world
     layout = spec["layout"]
-    device_pool = MHATokenToKVPool(
-        SIZE, T, torch.bfloat16, heads, D, L, "cpu", False, start_layer=0, end_layer=L
-    )
-    with host_memory_budget_scope(4 << 30):
-        host = MHATokenToKVPoolHost(
-            device_pool._mha_buffer_info(),
-            2,
-            0,
-            T,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=SIZE,
-            start_layer=0,
-            end_layer=L,
-        )
+    device_pool, host = mha_pools(layout, SIZE, T, heads, D, L)
     allocator = PagedTokenToKVPoolAllocator(SIZE, T, torch.bfloat16, "cpu", device_pool, False)
     controller = HiCacheController(
         allocator,
@@ -95,8 +79,7 @@ def main(spec_path: str) -> None:
     out = Path(spec["out"])
     result: dict[str, Any] = {"rank": rank}
     if spec["role"] == "write":
-        g = torch.Generator().manual_seed(1000 + rank)
-        host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=g).to(torch.bfloat16))
+        fill(host.kv_buffer, 1000 + rank)
         indices = host.alloc(len(tokens))
         hashes = get_storage_hash_str(tokens, None, page_size=T)
         controller.write_storage(indices, tokens, hash_value=hashes)

@@ -25,15 +25,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolHitPolicy,
     PoolTransfer,
 )
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from connector.sglang import extra_config
 from connector.sglang.backend import KVStoreHiCacheStorage
 from kvstore import ConfigError
+from tests.sglang.real_pools import fill, mha_pools, mla_pools
 
 T, L, H, D, SIZE = 4, 3, 2, 16, 256
 MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
@@ -44,51 +41,15 @@ KEYS = [hashlib.sha256(bytes([i])).hexdigest() for i in range(1, 6)]
 
 
 def _mha_host(layout: str, heads: int = H, layers: int = L, seed: int = 0) -> Any:
-    device = MHATokenToKVPool(
-        SIZE, T, torch.bfloat16, heads, D, layers, "cpu", False, start_layer=0, end_layer=layers
-    )
-    with host_memory_budget_scope(4 << 30):
-        host = MHATokenToKVPoolHost(
-            device._mha_buffer_info(),
-            2,
-            0,
-            T,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=SIZE,
-            start_layer=0,
-            end_layer=layers,
-        )
-    _fill(host.kv_buffer, seed)
+    _, host = mha_pools(layout, SIZE, T, heads, D, layers)
+    fill(host.kv_buffer, seed)
     return host
 
 
 def _mla_host(layout: str, seed: int = 0) -> Any:
-    device = MLATokenToKVPool(
-        SIZE, T, torch.bfloat16, 8, 4, L, "cpu", False, start_layer=0, end_layer=L
-    )
-    with host_memory_budget_scope(4 << 30):
-        host = MLATokenToKVPoolHost(
-            device._mla_buffer_info(),
-            2,
-            0,
-            T,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=SIZE,
-            start_layer=0,
-            end_layer=L,
-            target_layer_num=L,
-        )
-    _fill(host.kv_buffer, seed)
+    _, host = mla_pools(layout, SIZE, T, 8, 4, L)
+    fill(host.kv_buffer, seed)
     return host
-
-
-def _fill(buffer: torch.Tensor, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    buffer.copy_(torch.randn(buffer.shape, generator=g).to(buffer.dtype))
 
 
 def _config(root: Path, mla: bool = False, tp: tuple[int, int] = (0, 1), **extra: Any) -> Any:
