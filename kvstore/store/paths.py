@@ -225,13 +225,9 @@ def list_blocks(
         lo = parse_lo(name)
         if lo is None:
             continue
-        if stat.S_ISREG(st.st_mode):
-            yield BlockFile(directory / name, hash_hi, lo, st.st_size, st.st_mtime_ns)
-        elif problems is not None:
-            problems[str(directory / name)] = (
-                f"{directory / name}: expected a block file, got {describe_kind(st.st_mode)} "
-                "(never opened)"
-            )
+        found = _block_or_problem(directory, name, hash_hi, lo, st, problems)
+        if found is not None:
+            yield found
 
 
 def block_file(
@@ -248,8 +244,21 @@ def block_file(
     entered (recorded too). What :func:`list_blocks` would yield for that name."""
     name = str(hash_lo)
     st = _lstat_in(directory, name, root, problems)
-    if st is None:
-        return None
+    return (
+        None if st is None else _block_or_problem(directory, name, hash_hi, hash_lo, st, problems)
+    )
+
+
+def _block_or_problem(  # noqa: PLR0913 - where the entry is, what it is called and what lstat said
+    directory: Path,
+    name: str,
+    hash_hi: int,
+    hash_lo: int,
+    st: os.stat_result,
+    problems: Problems | None,
+) -> BlockFile | None:
+    """The entry at a block name as a :class:`BlockFile` when it is a regular file; anything
+    else is never opened and goes to ``problems``."""
     if stat.S_ISREG(st.st_mode):
         return BlockFile(directory / name, hash_hi, hash_lo, st.st_size, st.st_mtime_ns)
     if problems is not None:
@@ -260,6 +269,16 @@ def block_file(
     return None
 
 
+def _record_unlistable(directory: Path, exc: OSError, problems: Problems | None) -> None:
+    """Record in ``problems`` why ``directory`` could not be entered or listed."""
+    if problems is None:
+        return
+    if isinstance(exc, EntryKindError):
+        problems.setdefault(str(exc).split(":", 1)[0], f"{exc} (not entered)")
+    else:
+        problems[str(directory)] = f"{directory}: cannot list ({describe_os_error(exc)})"
+
+
 def _lstat_in(
     directory: Path, name: str, root: Path | None, problems: Problems | None
 ) -> os.stat_result | None:
@@ -268,15 +287,10 @@ def _lstat_in(
     ``problems``)."""
     try:
         fd = _open_listed(directory, root)
-        if fd is None:
-            return None
-    except EntryKindError as exc:
-        if problems is not None:
-            problems.setdefault(str(exc).split(":", 1)[0], f"{exc} (not entered)")
-        return None
     except OSError as exc:
-        if problems is not None:
-            problems[str(directory)] = f"{directory}: cannot list ({describe_os_error(exc)})"
+        _record_unlistable(directory, exc, problems)
+        return None
+    if fd is None:
         return None
     try:
         return os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -363,10 +377,6 @@ def _listing(
     ``problems`` when given)."""
     try:
         return list_dir(directory, root=root)
-    except EntryKindError as exc:
-        if problems is not None:
-            problems.setdefault(str(exc).split(":", 1)[0], f"{exc} (not entered)")
     except OSError as exc:
-        if problems is not None:
-            problems[str(directory)] = f"{directory}: cannot list ({describe_os_error(exc)})"
+        _record_unlistable(directory, exc, problems)
     return []
