@@ -31,10 +31,13 @@ while we list them (eviction, a rename by a writer) are skipped. Sizes are appar
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import stat
+import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +51,11 @@ from kvstore.store.view import GroupView, NamespaceView, Problem, StoreView
 SCAN_THREADS = 8
 # Fan-out listings queued ahead of the one being sorted: enough to keep the threads busy.
 LISTINGS_AHEAD = 2 * SCAN_THREADS
+# Block entries handed over at once (``on_blocks``), and batches a listing thread may hold
+# ready per directory: a scan holds at most LISTINGS_AHEAD * (BATCHES_AHEAD + 1) batches,
+# whatever the size of a fan-out directory (390k entries each at 10^8 blocks).
+BLOCK_BATCH = 1024
+BATCHES_AHEAD = 2
 
 BLOCK = "block"
 TEMP = "temp"
@@ -122,7 +130,8 @@ class StoreScan:
 
     Published blocks are always tallied per group (:attr:`tallies`: what ``ls`` and ``du``
     report, in memory independent of the store's size); their entries are kept in
-    :attr:`blocks` only when the scan was asked to (``keep_blocks``: gc and verify need them).
+    :attr:`blocks` only when the scan was asked to (``keep_blocks``), or handed over in
+    batches as they are found (``on_blocks``) and then dropped.
     """
 
     store: StoreView
@@ -167,30 +176,34 @@ def _why(exc: OSError) -> str:
     return f"cannot list: {exc.strerror or exc}"
 
 
-def scan_store(
+def scan_store(  # noqa: PLR0913 - the store, what of it, and keyword-only controls of what is kept or handed over, each documented
     store: StoreView,
     namespaces: Iterable[NamespaceView] | None = None,
     *,
     on_dir: Callable[[], None] | None = None,
     arrays: bool = True,
     keep_blocks: bool = True,
+    on_blocks: Callable[[Sequence[Entry]], None] | None = None,
 ) -> StoreScan:
     """List the store (or only ``namespaces``; then root-level entries are skipped).
 
     ``on_dir`` is called once per fan-out directory listed (progress bars: there are
     :func:`fanout_dirs` of them). ``arrays=False`` skips the group arrays (no blocks, no
     per-block ``stat``): only root entries and each namespace's own entries, quarantine, trash.
-    ``keep_blocks=False`` tallies published blocks without keeping an entry for each: the
-    scan then holds at most a few fan-out directories' listings at a time, whatever the store's
-    size.
+    ``keep_blocks=False`` tallies published blocks without keeping an entry for each.
+    ``on_blocks`` is given the published blocks in batches of at most :data:`BLOCK_BATCH`, on
+    the calling thread, in scan order, and they are not kept (``keep_blocks`` is ignored): a
+    streaming consumer (gc, verify) sees every block while the scan holds a bounded number of
+    entries, whatever the store's size. An exception raised by ``on_blocks`` (a Ctrl-C
+    included) stops the listing threads and propagates.
     """
-    scan = StoreScan(store, keep_blocks)
+    scan = StoreScan(store, keep_blocks and on_blocks is None)
     whole = namespaces is None
     chosen = list(store.namespaces if namespaces is None else namespaces)
     if whole:
         _scan_root(store, scan)
     for ns in chosen:
-        _scan_namespace(ns, scan, on_dir, arrays)
+        _scan_namespace(ns, scan, on_dir, arrays, on_blocks)
     return scan
 
 
@@ -221,7 +234,11 @@ def _scan_root(store: StoreView, scan: StoreScan) -> None:
 
 
 def _scan_namespace(
-    ns: NamespaceView, scan: StoreScan, on_dir: Callable[[], None] | None, arrays: bool
+    ns: NamespaceView,
+    scan: StoreScan,
+    on_dir: Callable[[], None] | None,
+    arrays: bool,
+    on_blocks: Callable[[Sequence[Entry]], None] | None,
 ) -> None:
     groups = {f"g{g.index}": g for g in ns.groups}
     for name, st in _listing(ns.path, scan.unreadable):
@@ -246,11 +263,15 @@ def _scan_namespace(
             scan.foreign.append(_foreign(path, ns.name, None, st, scan.unreadable))
     if arrays:
         for group in ns.groups:
-            _scan_group(ns, group, scan, on_dir)
+            _scan_group(ns, group, scan, on_dir, on_blocks)
 
 
 def _scan_group(
-    ns: NamespaceView, group: GroupView, scan: StoreScan, on_dir: Callable[[], None] | None
+    ns: NamespaceView,
+    group: GroupView,
+    scan: StoreScan,
+    on_dir: Callable[[], None] | None,
+    on_blocks: Callable[[Sequence[Entry]], None] | None,
 ) -> None:
     fanout = _enter_chain(ns, group, scan)
     if fanout is None:
@@ -266,26 +287,34 @@ def _scan_group(
             )
     present.sort()
     # On a shared file system every listing and stat is a network round trip: the fan-out
-    # directories are listed and sorted on threads, each into a part of its own, merged in
-    # order (the scan is exactly what a serial one finds). At most LISTINGS_AHEAD parts exist
-    # at once, and a part holds no block entry unless the scan keeps them: memory stays a few
-    # directories' worth of temporary and foreign entries, whatever the store's size.
+    # directories are listed and sorted on threads, each into a queue of its own that this
+    # thread drains in order (the scan is exactly what a serial one finds). At most
+    # LISTINGS_AHEAD directories are in flight, each holding at most BATCHES_AHEAD batches of
+    # block entries (a thread waits while its queue is full): memory stays bounded whatever
+    # the store's size. FIFO threads make this deadlock-free: the directory being drained was
+    # submitted before every other one in flight, so it has a thread.
+    key = (ns.name, group.index)
+    emit = scan.keep_blocks or on_blocks is not None
+    cancel = threading.Event()
     with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="kvstore-scan") as pool:
-        pending: deque[Future[FanoutPart]] = deque()
+        pending: deque[tuple[queue.Queue[_Item], Future[None]]] = deque()
         queued = iter(present)
-        for _ in present:
-            while len(pending) < LISTINGS_AHEAD:
-                hi = next(queued, None)
-                if hi is None:
-                    break
-                pending.append(
-                    pool.submit(
-                        _scan_fanout, ns, group, hi, f"{fanout}{os.sep}{hi}", scan.keep_blocks
-                    )
-                )
-            pending.popleft().result().merge_into(scan, (ns.name, group.index))
-            if on_dir is not None:
-                on_dir()
+        try:
+            for _ in present:
+                while len(pending) < LISTINGS_AHEAD:
+                    hi = next(queued, None)
+                    if hi is None:
+                        break
+                    out: queue.Queue[_Item] = queue.Queue(BATCHES_AHEAD)
+                    task = _FanoutTask(ns, group, hi, f"{fanout}{os.sep}{hi}", emit, out, cancel)
+                    pending.append((out, pool.submit(task.run)))
+                out, done = pending.popleft()
+                _drain(out, scan, key, on_blocks)
+                done.result()
+                if on_dir is not None:
+                    on_dir()
+        finally:
+            cancel.set()  # threads blocked on a full queue give up (an error, a Ctrl-C)
     if on_dir is not None:
         for _ in range(len(paths.FANOUT) - len(present)):
             on_dir()
@@ -324,10 +353,9 @@ def _is_array_document(name: str) -> bool:
 
 @dataclass
 class FanoutPart:
-    """What one fan-out directory holds, sorted (by a scan thread) before it joins the scan."""
+    """What one fan-out directory holds besides its block entries, sorted by a scan thread."""
 
     tally: BlockTally = field(default_factory=BlockTally)
-    blocks: list[Entry] = field(default_factory=list)
     temps: list[Entry] = field(default_factory=list)
     foreign: list[Entry] = field(default_factory=list)
     unreadable: list[Problem] = field(default_factory=list)
@@ -338,38 +366,101 @@ class FanoutPart:
             if tally is None:
                 tally = scan.tallies[key] = BlockTally()
             tally.merge(self.tally)
-        scan.blocks += self.blocks
         scan.temps += self.temps
         scan.foreign += self.foreign
         scan.unreadable += self.unreadable
 
 
-def _scan_fanout(
-    ns: NamespaceView, group: GroupView, hi: int, directory: str, keep_blocks: bool
-) -> FanoutPart:
+# What a listing thread hands over: a batch of block entries, then its part (the last item),
+# or the exception that stopped it.
+_Item = list[Entry] | FanoutPart | BaseException
+
+
+class _CancelledError(Exception):
+    """The scan stopped (an error or a Ctrl-C in the consumer): a listing thread gives up."""
+
+
+def _drain(
+    out: queue.Queue[_Item],
+    scan: StoreScan,
+    key: tuple[str, int],
+    on_blocks: Callable[[Sequence[Entry]], None] | None,
+) -> None:
+    """Take one directory's items in order until its part, handing its blocks over."""
+    while True:
+        item = out.get()
+        if isinstance(item, FanoutPart):
+            item.merge_into(scan, key)
+            return
+        if isinstance(item, BaseException):
+            raise item
+        if on_blocks is not None:
+            on_blocks(item)
+        else:
+            scan.blocks += item
+
+
+@dataclass
+class _FanoutTask:
     """List and sort one fan-out directory, one entry at a time (:func:`paths.iter_dir`)."""
-    part = FanoutPart()
-    try:
-        for name, st in paths.iter_dir(directory):
-            path = f"{directory}{os.sep}{name}"
-            if not stat.S_ISREG(st.st_mode):
-                part.foreign.append(_foreign(path, ns.name, group.index, st, part.unreadable))
-                continue
-            lo = paths.parse_lo(name)
-            if lo is not None:
-                part.tally.add(st.st_size, st.st_mtime_ns)
-                if keep_blocks:
-                    part.blocks.append(_entry(BLOCK, path, ns.name, group.index, hi, lo, st))
-                continue
-            lo = paths.parse_temp_lo(name)  # ``.<lo>.tmp-<token>``, or the shape before the dot
-            if lo is not None:
-                part.temps.append(_entry(TEMP, path, ns.name, group.index, hi, lo, st))
+
+    ns: NamespaceView
+    group: GroupView
+    hi: int
+    directory: str
+    emit_blocks: bool
+    out: queue.Queue[_Item]
+    cancel: threading.Event
+
+    def run(self) -> None:
+        try:
+            self._put(self._list())
+        except _CancelledError:
+            pass
+        except BaseException as exc:  # a bug here must reach the consumer, not hang it
+            with contextlib.suppress(_CancelledError):
+                self._put(exc)
+
+    def _put(self, item: _Item) -> None:
+        while True:
+            try:
+                self.out.put(item, timeout=0.1)
+            except queue.Full:
+                if self.cancel.is_set():
+                    raise _CancelledError from None
             else:
-                part.foreign.append(_foreign(path, ns.name, group.index, st, part.unreadable))
-    except OSError as exc:
-        # Unreadable (EACCES, EIO), or failing part-way: what was sorted before counts.
-        part.unreadable.append(Problem(Path(directory), _why(exc)))
-    return part
+                return
+
+    def _list(self) -> FanoutPart:
+        ns, group, hi, directory = self.ns.name, self.group.index, self.hi, self.directory
+        part = FanoutPart()
+        batch: list[Entry] = []
+        try:
+            for name, st in paths.iter_dir(directory):
+                path = f"{directory}{os.sep}{name}"
+                if not stat.S_ISREG(st.st_mode):
+                    part.foreign.append(_foreign(path, ns, group, st, part.unreadable))
+                    continue
+                lo = paths.parse_lo(name)
+                if lo is not None:
+                    part.tally.add(st.st_size, st.st_mtime_ns)
+                    if self.emit_blocks:
+                        batch.append(_entry(BLOCK, path, ns, group, hi, lo, st))
+                        if len(batch) >= BLOCK_BATCH:
+                            self._put(batch)
+                            batch = []
+                    continue
+                lo = paths.parse_temp_lo(name)  # ``.<lo>.tmp-<token>``, or the shape before the dot
+                if lo is not None:
+                    part.temps.append(_entry(TEMP, path, ns, group, hi, lo, st))
+                else:
+                    part.foreign.append(_foreign(path, ns, group, st, part.unreadable))
+        except OSError as exc:
+            # Unreadable (EACCES, EIO), or failing part-way: what was sorted before counts.
+            part.unreadable.append(Problem(Path(directory), _why(exc)))
+        if batch:
+            self._put(batch)
+        return part
 
 
 def tree_usage(path: str, unreadable: list[Problem] | None = None) -> tuple[int, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -193,8 +194,8 @@ def test_a_tallying_scan_keeps_no_block_entries_and_counts_the_same(
 def test_the_scan_lists_a_bounded_window_of_fanout_directories(
     root: Path, populated: dict[str, Identity], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Fan-out directories are sorted into parts at most LISTINGS_AHEAD ahead of the one being
-    merged (the parts held at once never grow with the store), and the result is a serial
+    """Fan-out directories are listed at most LISTINGS_AHEAD ahead of the one being merged
+    (the listings held at once never grow with the store), and the result is a serial
     scan's."""
     from kvstore.admin import scan as scan_module  # noqa: PLC0415
 
@@ -202,14 +203,14 @@ def test_the_scan_lists_a_bounded_window_of_fanout_directories(
     expected = [b.path for b in scan_store(store).blocks]
     outstanding = 0
     most = 0
-    real_scan = scan_module._scan_fanout
+    real_run = scan_module._FanoutTask.run
     real_merge = scan_module.FanoutPart.merge_into
 
-    def sort(*args: Any) -> Any:
+    def run(task: Any) -> None:
         nonlocal outstanding, most
         outstanding += 1
         most = max(most, outstanding)
-        return real_scan(*args)
+        real_run(task)
 
     def merge(part: Any, *args: Any) -> None:
         nonlocal outstanding
@@ -217,7 +218,70 @@ def test_the_scan_lists_a_bounded_window_of_fanout_directories(
         real_merge(part, *args)
 
     monkeypatch.setattr(scan_module, "LISTINGS_AHEAD", 3)
-    monkeypatch.setattr(scan_module, "_scan_fanout", sort)
+    monkeypatch.setattr(scan_module._FanoutTask, "run", run)
     monkeypatch.setattr(scan_module.FanoutPart, "merge_into", merge)
     assert [b.path for b in scan_store(store).blocks] == expected
     assert 1 <= most <= 3
+
+
+def test_streamed_blocks_come_in_bounded_batches_in_scan_order(
+    root: Path, populated: dict[str, Identity], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``on_blocks`` sees every block of a full scan, in its order, in batches of at most
+    BLOCK_BATCH, none kept; entries listed but not yet handed over never exceed
+    LISTINGS_AHEAD * (BATCHES_AHEAD + 1) batches."""
+    from kvstore.admin import scan as scan_module  # noqa: PLC0415
+
+    store = open_root(root)
+    expected = [b.path for b in scan_store(store).blocks]
+    assert len(expected) >= 8
+    monkeypatch.setattr(scan_module, "BLOCK_BATCH", 2)
+    monkeypatch.setattr(scan_module, "BATCHES_AHEAD", 1)
+    monkeypatch.setattr(scan_module, "LISTINGS_AHEAD", 2)
+    lock = threading.Lock()
+    listed = handed = most = 0
+    real_put = scan_module._FanoutTask._put
+
+    def put(task: Any, item: Any) -> None:
+        nonlocal listed, most
+        real_put(task, item)
+        if isinstance(item, list):
+            with lock:
+                listed += len(item)
+                most = max(most, listed - handed)
+
+    monkeypatch.setattr(scan_module._FanoutTask, "_put", put)
+    batches: list[list[str]] = []
+
+    def take(batch: Any) -> None:
+        nonlocal handed
+        with lock:
+            handed += len(batch)
+        batches.append([b.path for b in batch])
+
+    scan = scan_store(store, on_blocks=take)
+    assert [p for b in batches for p in b] == expected
+    assert all(1 <= len(b) <= 2 for b in batches)
+    assert scan.blocks == []
+    assert scan.tally().blocks == len(expected)
+    assert most <= 2 * (1 + 1) * 2
+
+
+def test_a_consumer_that_raises_stops_the_scan_threads(
+    root: Path, populated: dict[str, Identity], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception from ``on_blocks`` (a Ctrl-C: KeyboardInterrupt) propagates at once and
+    the listing threads blocked on full queues give up: no thread is left behind."""
+    from kvstore.admin import scan as scan_module  # noqa: PLC0415
+
+    monkeypatch.setattr(scan_module, "BLOCK_BATCH", 1)
+    monkeypatch.setattr(scan_module, "BATCHES_AHEAD", 1)
+    before = {t.ident for t in threading.enumerate()}
+
+    def interrupt(batch: Any) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        scan_store(open_root(root), on_blocks=interrupt)
+    left = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert left == []
