@@ -3,7 +3,8 @@
 Views (each also as one JSON document with ``--json``):
 
 * ``overview ROOT [--check]`` - namespaces, identities, per group geometry, blocks and bytes;
-* ``tree ROOT NS [--group K] [--png F]`` - prefix forests rebuilt from parent hashes;
+* ``tree ROOT NS [--group K] [--png F] [--max-blocks N] [--sample S]`` - prefix forests
+  rebuilt from parent hashes (exact up to N blocks, sampled above: it says so);
 * ``block ROOT NS HASH`` - header fields, checksum of every inner chunk, parent chain;
 * ``values ROOT NS HASH [--heads A:B] [--layers A:B] [--tokens A:B] [--layout L --rank N]`` -
   decoded values, canonically or as a rank of a parallel layout holds them;
@@ -98,6 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--png", type=Path, help="also draw the forest into this PNG file")
     t.add_argument("--size", type=_pixels, default=(1200, 800), help="PNG size (default 1200x800)")
     t.add_argument("--top", type=positive_int, default=5, help="largest trees listed (default 5)")
+    t.add_argument(
+        "--max-blocks",
+        type=positive_int,
+        default=tree_view.MAX_BLOCKS,
+        help="largest group whose exact forest is built (under 1 KB of memory a block); above "
+        f"it the forest is sampled (default {tree_view.MAX_BLOCKS})",
+    )
+    t.add_argument(
+        "--sample",
+        type=positive_int,
+        help="blocks sampled above --max-blocks, at most --max-blocks (default "
+        f"{tree_view.SAMPLE_BLOCKS}, or --max-blocks if smaller)",
+    )
 
     command("block", "header, checksum of every inner chunk, parent chain", block=True)
 
@@ -235,22 +249,33 @@ def cmd_overview(args: argparse.Namespace) -> int:
 
 def cmd_tree(args: argparse.Namespace) -> int:
     _, group = _open_group(args)
-    forest = tree_view.scan_forest(group)
+    # A small --max-blocks alone is no error: the default sample shrinks to fit it.
+    sample = args.sample or min(tree_view.SAMPLE_BLOCKS, args.max_blocks)
+    scan = tree_view.scan_group(group, max_blocks=args.max_blocks, sample=sample)
+    forest = scan.forest
     doc: dict[str, Any] = {
         "namespace": group.namespace,
         "group": group.index,
+        "blocks": scan.blocks,
+        "bytes_on_disk": scan.bytes_on_disk,
+        "sampled": scan.sample,
         "summary": tree_view.summarize(forest, top=args.top),
+        "estimates": scan.estimates,
+        "problems": list(scan.problems.values()),
+        "problems_count": scan.problems.total,
         "png": None,
     }
     if args.png is not None:
         w, h = args.size
         title = f"{group.label}: prefix forest"
+        if scan.sample is not None:
+            title += f" (sampled: {scan.sample['blocks']} of {scan.blocks} blocks + ancestors)"
         from kvstore.inspect.pictures import tree_png  # noqa: PLC0415 - lazy: matplotlib
 
         tree_png(args.png, forest, title, width=w, height=h)
         doc["png"] = str(args.png)
     _emit(args, doc, text.tree_text(doc))
-    return 1 if forest.damaged or doc["summary"]["unreachable"] else 0
+    return 1 if doc["summary"]["damaged_count"] or doc["summary"]["unreachable"] else 0
 
 
 def cmd_block(args: argparse.Namespace) -> int:

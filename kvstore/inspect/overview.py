@@ -5,7 +5,9 @@ whose size lies outside what its group's geometry and compression allow is count
 ``bad_size`` (a raw block has exactly ``file_nbytes``; a compressed one lies within
 :attr:`~kvstore.store.check.ShardSpec.size_bounds`, and may be larger than the raw file). With
 ``check`` every block is read and verified like a server would (header and every inner chunk),
-and damaged ones are counted as ``damaged`` and listed.
+and damaged ones are counted (``damaged_count``) and listed (``damaged``, the first
+:data:`~kvstore.inspect.bounded.LISTED`). Either way the blocks are streamed, never held: the
+memory is the same for 10^4 blocks as for 10^8.
 
 Findings (what makes the CLI exit 1): bad-size or damaged blocks, and namespace / array
 documents that are not what format v1 prescribes.
@@ -15,16 +17,39 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvstore.inspect import bounded
 from kvstore.inspect.blockfile import check_block
+from kvstore.inspect.bounded import BoundedList, BoundedProblems
 from kvstore.store.view import GroupView, NamespaceView, StoreView
 
 
 def group_summary(group: GroupView, check: bool) -> dict[str, Any]:
-    files = group.files()
+    """One group's line of the overview, streamed: its block files are listed one fan-out
+    directory at a time and only tallied (with ``check``, each is verified as it is listed),
+    so the memory does not depend on the number of blocks. Damaged blocks and listing
+    problems are kept in full up to :data:`~kvstore.inspect.bounded.LISTED` each and counted
+    in all (``damaged_count``, ``problems_count``)."""
     layout = group.layout
     spec = group.spec
     low, high = group.shard.size_bounds
-    doc: dict[str, Any] = {
+    # The limit is read at each call (not bound at import) so tests can make it small.
+    problems = BoundedProblems(bounded.LISTED)
+    damaged: BoundedList[dict[str, str]] = BoundedList(bounded.LISTED)
+    blocks = on_disk = bad_size = 0
+    oldest: int | None = None
+    newest: int | None = None
+    for f in group.iter_files(problems=problems):
+        blocks += 1
+        on_disk += f.nbytes
+        bad_size += not low <= f.nbytes <= high
+        oldest = f.mtime_ns if oldest is None else min(oldest, f.mtime_ns)
+        newest = f.mtime_ns if newest is None else max(newest, f.mtime_ns)
+        if check:
+            result, _ = check_block(group, f.path)
+            if not result.ok:
+                damaged.add({"path": str(f.path), "problem": result.summary()})
+    temps = sum(1 for _ in group.paths.list_temps(root=group.store_root, problems=problems))
+    return {
         "group": group.index,
         "kind": spec.kind,
         "layers": spec.num_layers,
@@ -34,24 +59,19 @@ def group_summary(group: GroupView, check: bool) -> dict[str, Any]:
         "sliding_window": spec.sliding_window,
         "block_nbytes": layout.block_nbytes,
         "file_nbytes": layout.file_nbytes,
-        "blocks": len(files),
-        "bytes_on_disk": sum(f.nbytes for f in files),
-        "kv_bytes": len(files) * layout.block_nbytes,
-        "bad_size": sum(not low <= f.nbytes <= high for f in files),
-        "temp_files": len(group.temp_files()),
-        "oldest_mtime_ns": min((f.mtime_ns for f in files), default=None),
-        "newest_mtime_ns": max((f.mtime_ns for f in files), default=None),
-        "problems": [*group.problems, *group.listing_problems.values()],
-        "damaged": None,
+        "blocks": blocks,
+        "bytes_on_disk": on_disk,
+        "kv_bytes": blocks * layout.block_nbytes,
+        "bad_size": bad_size,
+        "temp_files": temps,
+        "oldest_mtime_ns": oldest,
+        "newest_mtime_ns": newest,
+        "problems": [*group.problems, *problems.values()],
+        "problems_count": len(group.problems) + problems.total,
+        "damaged": damaged.items if check else None,
+        "damaged_count": damaged.total if check else None,
+        "listed_max": bounded.LISTED,
     }
-    if check:
-        damaged = []
-        for f in files:
-            result, _ = check_block(group, f.path)
-            if not result.ok:
-                damaged.append({"path": str(f.path), "problem": result.summary()})
-        doc["damaged"] = damaged
-    return doc
 
 
 def namespace_summary(ns: NamespaceView, check: bool) -> dict[str, Any]:
@@ -83,7 +103,7 @@ def store_summary(store: StoreView, check: bool = False) -> dict[str, Any]:
             "blocks": sum(g["blocks"] for g in groups),
             "bytes_on_disk": sum(g["bytes_on_disk"] for g in groups),
             "bad_size": sum(g["bad_size"] for g in groups),
-            "damaged": sum(len(g["damaged"]) for g in groups) if check else None,
+            "damaged": sum(g["damaged_count"] for g in groups) if check else None,
         },
     }
 
@@ -94,5 +114,5 @@ def findings(summary: dict[str, Any]) -> int:
     for ns in summary["namespaces"]:
         count += len(ns["problems"])
         for g in ns["groups"]:
-            count += g["bad_size"] + len(g["problems"]) + len(g["damaged"] or [])
+            count += g["bad_size"] + g["problems_count"] + (g["damaged_count"] or 0)
     return count

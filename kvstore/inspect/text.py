@@ -12,6 +12,8 @@ from typing import Any
 from kvstore.inspect.render import num, short, size, table
 from kvstore.inspect.stats import StatRow
 
+DAMAGED_SHOWN = 10  # damaged blocks named per group in text (--json lists more)
+
 
 def _when(ns: int | None) -> str:
     if ns is None:
@@ -56,7 +58,7 @@ def overview_text(doc: dict[str, Any]) -> list[str]:
                     g["blocks"],
                     size(g["bytes_on_disk"]),
                     g["bad_size"],
-                    "-" if g["damaged"] is None else len(g["damaged"]),
+                    "-" if g["damaged_count"] is None else g["damaged_count"],
                     g["temp_files"],
                     _when(g["newest_mtime_ns"]),
                 ]
@@ -79,11 +81,23 @@ def overview_text(doc: dict[str, Any]) -> list[str]:
         )
         if ns["quarantined"]:
             lines.append(f"  quarantined by servers: {ns['quarantined']} file(s)")
-        for problem in ns["problems"] + [p for g in ns["groups"] for p in g["problems"]]:
-            lines.append(f"  PROBLEM: {problem}")
+        lines += [f"  PROBLEM: {problem}" for problem in ns["problems"]]
         for g in ns["groups"]:
-            for d in (g["damaged"] or [])[:10]:
+            lines += [f"  PROBLEM: {problem}" for problem in g["problems"]]
+            if g["problems_count"] > len(g["problems"]):
+                lines.append(
+                    f"  ... g{g['group']}: {g['problems_count'] - len(g['problems'])} more "
+                    f"problem(s) counted, not listed (the first {g['listed_max']} are)"
+                )
+        for g in ns["groups"]:
+            shown = (g["damaged"] or [])[:DAMAGED_SHOWN]
+            for d in shown:
                 lines.append(f"  DAMAGED g{g['group']}: {d['path']}: {d['problem']}")
+            if (g["damaged_count"] or 0) > len(shown):
+                lines.append(
+                    f"  ... g{g['group']}: {g['damaged_count'] - len(shown)} more damaged "
+                    f"block(s) (--json lists the first {len(g['damaged'])})"
+                )
     if not doc["checked"]:
         lines.append("")
         lines.append("(headers and checksums not read; --check verifies every block)")
@@ -91,6 +105,82 @@ def overview_text(doc: dict[str, Any]) -> list[str]:
 
 
 def tree_text(doc: dict[str, Any]) -> list[str]:
+    lines = _sampled_tree_text(doc) if doc.get("sampled") else _exact_tree_text(doc)
+    s = doc["summary"]
+    damaged = s["damaged"][:DAMAGED_SHOWN]
+    for d in damaged:
+        lines.append(f"  DAMAGED (left out): {d['path']}: {d['problem']}")
+    if s["damaged_count"] > len(damaged):
+        lines.append(
+            f"  ... {s['damaged_count'] - len(damaged)} more damaged header(s) "
+            f"(--json lists the first {len(s['damaged'])})"
+        )
+    problems = doc.get("problems", [])
+    lines += [f"  PROBLEM: {p}" for p in problems[:DAMAGED_SHOWN]]
+    if doc.get("problems_count", 0) > len(problems[:DAMAGED_SHOWN]):
+        lines.append(
+            f"  ... {doc['problems_count'] - len(problems[:DAMAGED_SHOWN])} more listing "
+            "problem(s) (--json lists the first ones)"
+        )
+    if doc.get("png"):
+        lines.append(f"  picture: {doc['png']}")
+    return lines
+
+
+def _sampled_tree_text(doc: dict[str, Any]) -> list[str]:
+    """The tree view of a group above --max-blocks: exact totals, then what the sample shows,
+    every estimate marked with ``~``."""
+    smp, est, s = doc["sampled"], doc["estimates"], doc["summary"]
+    d = est["depth"]
+    lines = [
+        f"prefix forest of {doc['namespace']}/g{doc['group']}: SAMPLED: {smp['blocks']} of "
+        f"{doc['blocks']} blocks (more than --max-blocks {smp['max_blocks']}); numbers marked "
+        "~ are estimates from the sample",
+        f"  blocks                 {doc['blocks']} ({size(doc['bytes_on_disk'])} on disk; exact)",
+        f"  sampled forest         {smp['nodes']} nodes: {smp['usable']} sampled blocks and "
+        f"{smp['ancestors']} ancestors ({smp['headers_read']} headers read)",
+        f"  ~ trees                {est['trees']} ({est['chain_starts']} chain starts, "
+        f"{est['orphan_roots']} orphans whose parent was evicted)",
+        f"  ~ block depth          min {d['min']}, mean {d['mean']:.2f}, max {d['max']}"
+        " (of the sampled blocks)",
+        "  depth histogram        "
+        + ", ".join(f"{k}: {v}" for k, v in d["histogram"].items())
+        + " (sampled blocks)",
+    ]
+    if smp["cut_walks"] or est["depth_lower_bounds"]:
+        lines.append(
+            f"  CUT                    {smp['cut_walks']} ancestor walk(s) stopped at "
+            f"{smp['max_blocks']} nodes: {est['depth_lower_bounds']} sampled depth(s) are lower "
+            "bounds"
+        )
+    if s["unreachable"]:
+        lines.append(
+            f"  UNREACHABLE            {s['unreachable']} sampled nodes (parent links form a cycle)"
+        )
+    if est["largest_trees"]:
+        lines.append("  largest trees in the sample:")
+        lines += table(
+            ["root", "kind", "sampled", "~blocks", "depth seen"],
+            [
+                [
+                    short(t["root"]),
+                    t["root_kind"],
+                    t["sampled_blocks"],
+                    t["blocks"],
+                    t["depth_seen"],
+                ]
+                for t in est["largest_trees"]
+            ],
+            indent="    ",
+        )
+    lines.append(
+        "  (chains, sharing and branch points need every block: --max-blocks "
+        f"{doc['blocks']} gives them exactly, at under 1 KB of memory a block)"
+    )
+    return lines
+
+
+def _exact_tree_text(doc: dict[str, Any]) -> list[str]:
     s = doc["summary"]
     cl = s["chain_length"]
     lines = [
@@ -138,10 +228,6 @@ def tree_text(doc: dict[str, Any]) -> list[str]:
             ],
             indent="    ",
         )
-    for d in s["damaged"]:
-        lines.append(f"  DAMAGED (left out): {d['path']}: {d['problem']}")
-    if doc.get("png"):
-        lines.append(f"  picture: {doc['png']}")
     return lines
 
 

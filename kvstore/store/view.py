@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -135,6 +135,23 @@ class GroupView:
         )
         found.sort(key=lambda f: (f.hash_hi, f.hash_lo))
         return found
+
+    def iter_files(
+        self, fanouts: Iterable[int] = FANOUT, *, problems: Problems | None = None
+    ) -> Iterator[BlockFile]:
+        """:meth:`files` one block at a time, unsorted: fan-out directories in the order of
+        ``fanouts``, each in listing order. A group of any size in the memory of one fan-out
+        directory's listing (:func:`kvstore.store.paths.list_blocks`), which is what tools that
+        only count or sample the blocks of a big store need.
+
+        Same rules as :meth:`files`; what they record goes to ``problems`` when given (a caller
+        may pass a bounded collector), else to :attr:`listing_problems`.
+        """
+        return self.paths.list_blocks(
+            fanouts,
+            root=self.store_root,
+            problems=self.listing_problems if problems is None else problems,
+        )
 
     def file_of(self, block_hash: bytes) -> BlockFile | None:
         """The published shard file of ``block_hash``, with one ``lstat`` and the same rules
