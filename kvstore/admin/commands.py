@@ -99,6 +99,13 @@ def add_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     )
     g.add_argument("--max-passes", type=positive_int, help="stop --watch after this many passes")
     g.add_argument(
+        "--no-evict-ahead",
+        dest="evict_ahead",
+        action="store_false",
+        help="--watch: evict only down to --max-bytes (by default a pass evicts ahead of what "
+        "writers add until the next pass, up to half the budget: docs/operating.md)",
+    )
+    g.add_argument(
         "--metrics",
         type=_file_path,
         metavar="FILE",
@@ -187,6 +194,7 @@ def dispatch(args: argparse.Namespace) -> int:
             tmp_age_s=args.tmp_age,
             dry_run=args.dry_run,
             list_victims=args.list_victims,
+            evict_ahead=args.evict_ahead,
         )
         return gc.run(
             args.root,

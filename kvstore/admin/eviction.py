@@ -1,4 +1,4 @@
-"""gc's eviction policy: which published blocks go, in which order.
+"""gc's eviction policy: which published blocks go, in which order, in bounded memory.
 
 **Last use.** Published block files are immutable, so their mtime is free to mean "last use":
 a writer creates the file (mtime = creation) and a reader sets it to now after a read when it
@@ -6,38 +6,187 @@ is older than ``access_granularity_s`` (``StoreConfig``, default 60 s: at most o
 per block per minute, whatever the read rate). atime is not used: relatime/noatime mounts do
 not keep it. gc orders by mtime.
 
-**Eviction order.** Blocks of a group form prefix trees (each header names its parent's hash).
+**Leaves first.** Blocks of a group form prefix trees (each header names its parent's hash).
 A block is a *leaf* if no present block of the same namespace and group names it as parent.
-gc evicts leaves only, least recently used first (one heap over the whole store, all
-namespaces and groups); evicting a leaf may make its parent a leaf, which then joins the heap
-with its own mtime. Lookups (``longest_prefix``) therefore keep finding prefix-closed chains.
-(A parent graph with a cycle - only possible with damaged headers - has no leaf; when nothing
-else is left to evict its blocks go in LRU order.)
+gc evicts leaves only; evicting a leaf may make its parent a leaf, which then goes too if it
+is old enough. Lookups (``longest_prefix``) therefore keep finding prefix-closed chains: a
+shared prefix that an engine keeps in its own GPU cache (and so never reads from the store)
+stays as long as any block below it is in use.
 
-:class:`BlockIndex` is what gc knows about every block file (path, size, last use, inode, hash
-and parent hash from the header, read once per file); :func:`evict` picks the victims.
+**Bounded memory.** Nothing here holds an entry per block. Two structures of fixed size do:
+
+* :class:`ParentCounts`, a counting Bloom filter over the (namespace, group, hash) of every
+  block that some block names as its parent. A key whose counters are all zero is certainly
+  not a parent (a leaf); a non-zero one is a parent, or a false positive (a leaf kept one more
+  pass: an error on the safe side). Evicting a block decrements its parent's key, which
+  exposes the parent once its last child has gone.
+* :class:`LastUseHistogram`, bytes and blocks per interval of last use (:data:`BUCKETS`
+  intervals between the oldest block and now): the cut-off below which evicting the leaves
+  frees what the budget asks for. Victims are chosen to that interval's resolution (the
+  store's age span / BUCKETS): the blocks of the oldest intervals all go, those of the
+  boundary interval in scan order until the budget is met.
+
+If a round of leaf evictions cannot meet the budget (parents of parents need exposing, or
+false positives protect the rest), gc runs another; when a round finds no leaf to evict (a
+damaged cycle of parent links, or a filter saturated by a store far bigger than it was sized
+for) the last round evicts by last use alone. :func:`bloom_false_positive_rate` says what a
+given size means at a given store size (docs/admin.md has the figures).
 """
 
 from __future__ import annotations
 
 import enum
-import heapq
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from kvstore.admin.scan import Entry
+import numpy as np
+
 from kvstore.admin.sizes import iso_time
-from kvstore.errors import CorruptBlockError
 from kvstore.keys import hash_coords
-from kvstore.store.full_check import read_header
 
 BlockKey = tuple[str, int, int, int]  # (namespace, group, hash_hi, hash_lo)
+
+# Counters of the parent filter (one byte each) and how many each key sets: 64 Mi counters
+# (64 MiB) keep false positives below 0.1 % up to ~10^7 parents, ~5 % at 3 * 10^7 and ~40 % at
+# 10^8 (see bloom_false_positive_rate); a false positive only keeps a leaf one pass longer.
+DEFAULT_FILTER_COUNTERS = 1 << 26
+FILTER_HASHES = 3
+_SATURATED = 255  # a counter that reached this is never decremented again (safe: it protects)
+# Intervals of last use the victims are chosen to.
+BUCKETS = 1 << 16
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: spreads any 64-bit input over all 64 bits."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def bloom_false_positive_rate(parents: int, counters: int = DEFAULT_FILTER_COUNTERS) -> float:
+    """The chance that a leaf looks like a parent with ``parents`` keys in ``counters``."""
+    return (1.0 - math.exp(-FILTER_HASHES * parents / counters)) ** FILTER_HASHES
+
+
+class ParentCounts:
+    """A counting Bloom filter of block keys named as parent (module doc)."""
+
+    def __init__(self, counters: int = DEFAULT_FILTER_COUNTERS) -> None:
+        if counters < 64:
+            raise ValueError(f"parent filter: expected at least 64 counters, got {counters}")
+        self._counts = np.zeros(counters, dtype=np.uint8)
+        self._size = counters
+        self._salts: dict[tuple[str, int], int] = {}
+        self.added = 0
+
+    def _slots(self, key: BlockKey) -> list[int]:
+        ns, group, hi, lo = key
+        salt = self._salts.get((ns, group))
+        if salt is None:
+            salt = self._salts[(ns, group)] = _mix(hash((ns, group)) & _MASK64)
+        h1 = _mix(salt ^ (hi << 56) ^ lo)
+        h2 = _mix(h1) | 1
+        return [(h1 + i * h2) % self._size for i in range(FILTER_HASHES)]
+
+    def add(self, key: BlockKey) -> None:
+        counts = self._counts
+        for slot in self._slots(key):
+            if counts[slot] < _SATURATED:
+                counts[slot] += 1
+        self.added += 1
+
+    def remove(self, key: BlockKey) -> None:
+        """One child of ``key`` went (only keys that were added; a saturated counter stays)."""
+        counts = self._counts
+        for slot in self._slots(key):
+            if 0 < counts[slot] < _SATURATED:
+                counts[slot] -= 1
+
+    def may_be_parent(self, key: BlockKey) -> bool:
+        counts = self._counts
+        return all(counts[slot] for slot in self._slots(key))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._counts.nbytes)
+
+
+def parent_key(
+    namespace: str, group: int, parent_hash: bytes | None, own: BlockKey
+) -> BlockKey | None:
+    """The key of the block ``parent_hash`` names (None: a chain start, or itself)."""
+    if parent_hash is None:
+        return None
+    hi, lo = hash_coords(parent_hash)
+    key = (namespace, group, hi, lo)
+    return None if key == own else key
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Which last uses go: all before ``before_ns``; those in ``[before_ns, boundary_end_ns)``
+    while ``below_bytes`` (bytes older than ``before_ns`` not yet evicted) would not cover the
+    excess on their own."""
+
+    before_ns: int
+    boundary_end_ns: int
+    below_bytes: int
+
+
+class LastUseHistogram:
+    """Bytes and blocks per interval of last use over ``[oldest_ns, now_ns]`` (module doc)."""
+
+    def __init__(self, oldest_ns: int, now_ns: int, buckets: int = BUCKETS) -> None:
+        self.oldest_ns = min(oldest_ns, now_ns)
+        self.now_ns = now_ns
+        self._span = max(1, now_ns - self.oldest_ns + 1)
+        self._buckets = buckets
+        self._bytes = np.zeros(buckets, dtype=np.int64)
+        self._blocks = np.zeros(buckets, dtype=np.int64)
+
+    def bucket(self, mtime_ns: int) -> int:
+        when = min(max(mtime_ns, self.oldest_ns), self.now_ns)  # a future mtime counts as now
+        return (when - self.oldest_ns) * self._buckets // self._span
+
+    def start_ns(self, bucket: int) -> int:
+        """The first last use of ``bucket`` (exact inverse of :meth:`bucket`)."""
+        return self.oldest_ns + -(-bucket * self._span // self._buckets)
+
+    def add(self, mtime_ns: int, size: int) -> None:
+        b = self.bucket(mtime_ns)
+        self._bytes[b] += size
+        self._blocks[b] += 1
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self._bytes.sum())
+
+    def cut(self, excess: int) -> Cut | None:
+        """The cut-off that frees ``excess`` bytes oldest first; None if nothing is needed.
+        When all of it cannot cover ``excess`` the cut takes everything."""
+        if excess <= 0:
+            return None
+        cumulative = np.cumsum(self._bytes)
+        b = int(np.searchsorted(cumulative, excess, side="left"))
+        if b >= self._buckets:
+            end = self.now_ns + 1
+            return Cut(end, end, int(cumulative[-1]))
+        below = int(cumulative[b] - self._bytes[b])
+        return Cut(self.start_ns(b), self.start_ns(b + 1), below)
+
+
+class Evicted(enum.Enum):
+    REMOVED = "removed"  # this gc renamed it into the trash
+    GONE = "gone"  # someone else removed it first
 
 
 @dataclass
 class Block:
-    """What gc knows about one published block file (its index entry)."""
+    """One published block file as gc handles it (a victim candidate)."""
 
     path: str
     namespace: str
@@ -47,18 +196,12 @@ class Block:
     size: int
     mtime_ns: int  # last use
     ino: int
-    block_hash: bytes | None  # from the header; None if the header is unreadable
-    parent_hash: bytes | None
+    block_hash: bytes | None = None  # from the header; None if unread or unreadable
+    parent_hash: bytes | None = None
 
     @property
     def key(self) -> BlockKey:
         return (self.namespace, self.group, self.hash_hi, self.hash_lo)
-
-    def parent_key(self) -> BlockKey | None:
-        if self.parent_hash is None:
-            return None
-        hi, lo = hash_coords(self.parent_hash)
-        return (self.namespace, self.group, hi, lo)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,132 +216,33 @@ class Block:
         }
 
 
-class BlockIndex:
-    """path → :class:`Block`, refreshed from each scan; headers are read once per file."""
-
-    def __init__(self) -> None:
-        self._by_path: dict[str, Block] = {}
-        self.headers_read = 0  # cumulative, for reports and tests
-
-    def refresh(
-        self, entries: Sequence[Entry], on_entry: Callable[[], None] | None = None
-    ) -> list[Block]:
-        """The blocks of this scan; a header is read only for a path (or inode) not seen."""
-        fresh: dict[str, Block] = {}
-        for e in entries:
-            if on_entry is not None:
-                on_entry()
-            assert e.namespace is not None and e.group is not None
-            known = self._by_path.get(e.path)
-            if known is not None and known.ino == e.ino:
-                known.size, known.mtime_ns = e.size, e.mtime_ns
-                fresh[e.path] = known
-                continue
-            block_hash: bytes | None = None
-            parent: bytes | None = None
-            try:
-                header, _size = read_header(e.path)
-                block_hash, parent = header.block_hash, header.parent_hash
-            except FileNotFoundError:
-                continue  # evicted or quarantined since the scan
-            except (CorruptBlockError, OSError):
-                pass  # unreadable header: still evictable (as a leaf); verify reports it
-            self.headers_read += 1
-            fresh[e.path] = Block(
-                e.path,
-                e.namespace,
-                e.group,
-                e.hash_hi,
-                e.hash_lo,
-                e.size,
-                e.mtime_ns,
-                e.ino,
-                block_hash,
-                parent,
-            )
-        self._by_path = fresh
-        return list(fresh.values())
-
-
-class Evicted(enum.Enum):
-    REMOVED = "removed"  # this gc renamed it into the trash
-    GONE = "gone"  # someone else removed it first
-
-
 # An eviction callback returns Evicted, or the block's newer mtime if it was used since the scan.
 EvictFn = Callable[[Block], "Evicted | int"]
 
 
 @dataclass
-class Selection:
-    """Outcome of :func:`evict`."""
+class VictimTally:
+    """What a pass evicted, in constant memory (the victims themselves only when listed)."""
 
-    evicted: list[Block] = field(default_factory=list)
-    gone: list[Block] = field(default_factory=list)
-    refreshed: int = 0  # victims kept because a reader used them since the scan
-    usage: int = 0  # after
+    blocks: int = 0
+    bytes: int = 0
+    gone: int = 0
+    refreshed: int = 0  # candidates kept because a reader used them since the scan
+    oldest_ns: int | None = None
+    newest_ns: int | None = None
+    by_namespace: dict[str, dict[str, int]] | None = None
+    listed: list[Block] | None = None
 
-
-def evict(
-    blocks: Sequence[Block],
-    *,
-    usage: int,
-    max_bytes: int | None,
-    cutoff_ns: int | None,
-    remove: EvictFn,
-) -> Selection:
-    """Evict LRU leaves (per group) until ``usage <= max_bytes`` and no leaf is older than
-    ``cutoff_ns``; ``remove`` does (or, in a dry run, pretends) each eviction."""
-    present: dict[BlockKey, Block] = {b.key: b for b in blocks}
-    children: dict[BlockKey, int] = dict.fromkeys(present, 0)
-    parent_of: dict[BlockKey, BlockKey] = {}
-    for b in blocks:
-        pk = b.parent_key()
-        if pk is None or pk == b.key:
-            continue
-        parent = present.get(pk)
-        if parent is not None and parent.block_hash == b.parent_hash:
-            children[pk] += 1
-            parent_of[b.key] = pk
-    heap: list[tuple[int, str, BlockKey]] = [
-        (b.mtime_ns, b.path, b.key) for b in blocks if children[b.key] == 0
-    ]
-    heapq.heapify(heap)
-    out = Selection(usage=usage)
-    done: set[BlockKey] = set()
-
-    def wanted(mtime_ns: int) -> bool:
-        over = max_bytes is not None and out.usage > max_bytes
-        old = cutoff_ns is not None and mtime_ns < cutoff_ns
-        return over or old
-
-    while True:
-        if not heap:
-            # Only a cycle of damaged parent links can leave blocks without a leaf.
-            rest = [b for k, b in present.items() if k not in done]
-            if not rest or not (max_bytes is not None and out.usage > max_bytes):
-                break
-            heap = [(b.mtime_ns, b.path, b.key) for b in rest]
-            heapq.heapify(heap)
-            parent_of.clear()
-        mtime, _path, key = heap[0]
-        if not wanted(mtime):
-            break
-        heapq.heappop(heap)
-        block = present[key]
-        outcome = remove(block)
-        if isinstance(outcome, int):  # used since the scan: back into the heap, newer
-            block.mtime_ns = outcome
-            out.refreshed += 1
-            heapq.heappush(heap, (block.mtime_ns, block.path, key))
-            continue
-        done.add(key)
-        out.usage -= block.size
-        (out.evicted if outcome is Evicted.REMOVED else out.gone).append(block)
-        pk = parent_of.get(key)
-        if pk is not None and pk not in done:
-            children[pk] -= 1
-            if children[pk] == 0:
-                parent = present[pk]
-                heapq.heappush(heap, (parent.mtime_ns, parent.path, pk))
-    return out
+    def record(self, block: Block) -> None:
+        self.blocks += 1
+        self.bytes += block.size
+        t = block.mtime_ns
+        self.oldest_ns = t if self.oldest_ns is None else min(self.oldest_ns, t)
+        self.newest_ns = t if self.newest_ns is None else max(self.newest_ns, t)
+        if self.by_namespace is None:
+            self.by_namespace = {}
+        row = self.by_namespace.setdefault(block.namespace, {"blocks": 0, "bytes": 0})
+        row["blocks"] += 1
+        row["bytes"] += block.size
+        if self.listed is not None:
+            self.listed.append(block)

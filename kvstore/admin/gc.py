@@ -38,11 +38,18 @@ sets such an mtime to now (not in a dry run), after which it ages like any other
 with a future time is renamed with the current time (:func:`kvstore.admin.trash.restamp_future`)
 and expires one grace period later.
 
+**Memory and passes.** A pass holds no entry per block (:mod:`kvstore.admin.eviction_pass`):
+its first scan is ``stat`` only (usage, oldest last use, temps, trash); only when something
+must go does it read every header (parent links, into a filter of fixed size) and scan again
+to pick and evict the victims. Victims are least recently used to the resolution of a
+histogram of last use (the store's age span / 65,536).
+
 **--watch** repeats a pass (scan, empty expired trash, sweep orphan temps, evict to budget)
-every ``--interval`` seconds until SIGINT/SIGTERM (or ``--max-passes``). It keeps an in-memory
-index (path → size, mtime, inode, hash, parent) and reads the header only of files it has not
-seen before, so a pass costs a directory scan (one ``stat`` per file). Because it scans the
-file system it counts the blocks of every server writing to the store, on any machine.
+every ``--interval`` seconds until SIGINT/SIGTERM (or ``--max-passes``). It evicts ahead: a
+pass aims below ``--max-bytes`` by what the writers were seen to add in the time until the next
+pass's evictions land (:class:`EvictAhead`; the report's ``evict_ahead_bytes``), so a busy store
+stays within its budget between passes. Because it scans the file system it counts the
+blocks of every server writing to the store, on any machine.
 
 **--metrics FILE** writes, after every pass, the Prometheus textfile of
 :mod:`kvstore.admin.gc_metrics` (usage, evictions, trash, quarantine, findings, pass duration;
@@ -66,16 +73,12 @@ from types import FrameType
 from typing import Any
 
 from kvstore.admin.du import gc_usage
-from kvstore.admin.eviction import Block, BlockIndex, Evicted, EvictFn, evict
+from kvstore.admin.eviction import Block, Evicted, EvictFn
+from kvstore.admin.eviction_pass import Budget, EvictionRun
 from kvstore.admin.gc_metrics import GcMetrics
 from kvstore.admin.progress import Progress
 from kvstore.admin.report import print_json, print_lines, table, warn
-from kvstore.admin.scan import (
-    StoreScan,
-    fanout_dirs,
-    open_root,
-    scan_store,
-)
+from kvstore.admin.scan import Entry, StoreScan, fanout_dirs, open_root, scan_store
 from kvstore.admin.sizes import format_duration, format_size, iso_time
 from kvstore.admin.textfile import Textfile, exposition
 from kvstore.admin.trash import (
@@ -105,6 +108,8 @@ class Policy:
     # Whether the report lists every victim (``--list-victims``); else it summarises them
     # (count, bytes, per namespace, last-use range): a pass may evict millions of blocks.
     list_victims: bool = False
+    # --watch: evict below max_bytes by what writers add until the next pass (EvictAhead).
+    evict_ahead: bool = True
 
 
 def _remove_for_real(store: StoreView, findings: list[dict[str, str]]) -> EvictFn:
@@ -120,8 +125,7 @@ def _remove_for_real(store: StoreView, findings: list[dict[str, str]]) -> EvictF
             return Evicted.GONE
         if not stat.S_ISREG(st.st_mode):
             return Evicted.GONE  # replaced by something else since the scan: not a block
-        if st.st_ino != block.ino or st.st_mtime_ns > block.mtime_ns:
-            block.ino = st.st_ino
+        if block.ino not in (-1, st.st_ino) or st.st_mtime_ns > block.mtime_ns:
             return max(st.st_mtime_ns, block.mtime_ns + 1)
         if block.namespace not in no_trash:
             try:
@@ -151,20 +155,29 @@ def _remove_for_real(store: StoreView, findings: list[dict[str, str]]) -> EvictF
     return remove
 
 
-def _unpin_future(blocks: Sequence[Block], now_ns: int, dry_run: bool) -> int:
-    """Set mtimes later than ``now_ns`` (a clock that was ahead) to ``now_ns``; how many."""
-    count = 0
-    for b in blocks:
-        if b.mtime_ns <= now_ns:
-            continue
-        count += 1
-        if not dry_run:
-            try:
-                os.utime(b.path, ns=(now_ns, now_ns), follow_symlinks=False)
-            except OSError:
-                continue  # gone, or read-only: this pass still treats it as used now
-        b.mtime_ns = now_ns
-    return count
+class _FutureMtimes:
+    """Sets block mtimes later than the clock (a clock that was ahead) to the clock's time as
+    the scan finds them (not in a dry run: the eviction then treats them as used now).
+
+    "Later" is judged when the batch is handed over, not at the pass's start: a block written
+    while the scan runs is not from the future."""
+
+    def __init__(self, now_ns: int | None, dry_run: bool) -> None:
+        self.now_ns = now_ns  # a fixed clock (tests); None: the real one
+        self.dry_run = dry_run
+        self.count = 0
+
+    def __call__(self, batch: Sequence[Entry]) -> None:
+        now = time.time_ns() if self.now_ns is None else self.now_ns
+        for entry in batch:
+            if entry.mtime_ns <= now:
+                continue
+            self.count += 1
+            if not self.dry_run:
+                try:
+                    os.utime(entry.path, ns=(now, now), follow_symlinks=False)
+                except OSError:
+                    continue  # gone, or read-only: this pass still treats it as used now
 
 
 def _findings(scan: StoreScan, store: StoreView) -> list[dict[str, str]]:
@@ -193,10 +206,10 @@ def _by_namespace(scan: StoreScan) -> dict[str, dict[str, int]]:
     """Blocks and quarantine of each namespace, as scanned (every namespace, even empty)."""
     fields = ("blocks", "block_bytes", "quarantine_entries", "quarantine_bytes")
     rows = {ns.name: dict.fromkeys(fields, 0) for ns in scan.store.namespaces}
-    for b in scan.blocks:
-        row = rows.setdefault(b.namespace or "", dict.fromkeys(fields, 0))
-        row["blocks"] += 1
-        row["block_bytes"] += b.size
+    for (name, _group), tally in scan.tallies.items():
+        row = rows.setdefault(name, dict.fromkeys(fields, 0))
+        row["blocks"] += tally.blocks
+        row["block_bytes"] += tally.bytes
     for q in scan.quarantine:
         row = rows.setdefault(q.namespace or "", dict.fromkeys(fields, 0))
         row["quarantine_entries"] += 1
@@ -221,19 +234,24 @@ def _pretend(block: Block) -> Evicted | int:
 def gc_pass(
     root: Path,
     policy: Policy,
-    index: BlockIndex | None = None,
     *,
     progress: bool = False,
     now_ns: int | None = None,
+    headroom_bytes: int = 0,
 ) -> dict[str, Any]:
-    """One gc pass; its report (the JSON document of ``kvstore gc``, one per --watch pass)."""
+    """One gc pass; its report (the JSON document of ``kvstore gc``, one per --watch pass).
+
+    ``headroom_bytes``: evict that much below ``max_bytes`` (``--watch`` evicting ahead of
+    what the writers add before the next pass ends); the report's ``over_budget`` is judged
+    against ``max_bytes`` itself."""
     started = time.perf_counter()
-    index = index or BlockIndex()
     store = open_root(root)
+    future = _FutureMtimes(now_ns, policy.dry_run)
     with Progress(fanout_dirs(store.namespaces), "scanning", enabled=progress) as bar:
-        scan = scan_store(store, on_dir=bar.update)
+        scan = scan_store(store, on_dir=bar.update, on_blocks=future)
     now = time.time_ns() if now_ns is None else now_ns
     usage_before = gc_usage(scan)
+    blocks_before = scan.tally()
     findings = _findings(scan, store)
     trash_bytes = sum(t.size for t in scan.trash) + sum(r.size for r in scan.removed)
     held = [*scan.trash, *scan.removed]
@@ -254,24 +272,19 @@ def gc_pass(
                 continue
         swept += 1
         swept_bytes += temp.size
-    with Progress(len(scan.blocks), "headers", unit="block", enabled=progress) as bar:
-        blocks = index.refresh(scan.blocks, bar.update)
-    unpinned = _unpin_future(blocks, now, policy.dry_run)
+    target = None if policy.max_bytes is None else max(0, policy.max_bytes - headroom_bytes)
     cutoff = now - int(policy.max_age_s * 1e9) if policy.max_age_s is not None else None
-    selection = evict(
-        blocks,
-        usage=usage_before - swept_bytes,
-        max_bytes=policy.max_bytes,
-        cutoff_ns=cutoff,
-        remove=_pretend if policy.dry_run else _remove_for_real(store, findings),
+    budget = Budget(usage_before - swept_bytes, target, cutoff, now)
+    run = EvictionRun(
+        store,
+        budget,
+        _pretend if policy.dry_run else _remove_for_real(store, findings),
+        list_victims=policy.list_victims,
+        progress=progress,
     )
-    evicted_bytes = sum(b.size for b in selection.evicted)
-    by_ns: dict[str, dict[str, int]] = {}
-    for b in selection.evicted:
-        row = by_ns.setdefault(b.namespace, {"blocks": 0, "bytes": 0})
-        row["blocks"] += 1
-        row["bytes"] += b.size
-    over = policy.max_bytes is not None and selection.usage > policy.max_bytes
+    run.run(blocks_before.oldest_ns)
+    victims = run.victims
+    over = policy.max_bytes is not None and budget.usage > policy.max_bytes
     return {
         "root": str(store.root),
         "dry_run": policy.dry_run,
@@ -283,8 +296,8 @@ def gc_pass(
             "tmp_age_s": policy.tmp_age_s,
         },
         "before": {
-            "blocks": len(scan.blocks),
-            "block_bytes": sum(b.size for b in scan.blocks),
+            "blocks": blocks_before.blocks,
+            "block_bytes": blocks_before.bytes,
             "temp_bytes": sum(t.size for t in scan.temps),
             "quarantine_bytes": sum(q.size for q in scan.quarantine),
             "foreign_bytes": sum(f.size for f in scan.foreign),
@@ -297,7 +310,7 @@ def gc_pass(
         "by_namespace": _by_namespace(scan),
         "filesystem": _filesystem(store.root),
         "usage_complete": scan.complete,
-        "future_mtimes_reset": unpinned,
+        "future_mtimes_reset": future.count,
         "findings": findings,
         "trash_emptied": {
             "entries": emptied.entries,
@@ -305,31 +318,33 @@ def gc_pass(
             "bytes": emptied.bytes,
         },
         "temps_removed": {"files": swept, "bytes": swept_bytes},
+        "evict_ahead_bytes": headroom_bytes if policy.max_bytes is not None else 0,
         "evicted": {
-            "blocks": len(selection.evicted),
-            "bytes": evicted_bytes,
-            "by_namespace": by_ns,
-            "kept_recently_used": selection.refreshed,
-            "already_gone": len(selection.gone),
-            "last_use": _last_use(selection.evicted),
+            "blocks": victims.blocks,
+            "bytes": victims.bytes,
+            "by_namespace": victims.by_namespace or {},
+            "kept_recently_used": victims.refreshed,
+            "already_gone": victims.gone,
+            "last_use": _last_use(victims.oldest_ns, victims.newest_ns),
             **(
-                {"victims": [b.to_json() for b in selection.evicted]} if policy.list_victims else {}
+                {"victims": [b.to_json() for b in victims.listed]}
+                if victims.listed is not None
+                else {}
             ),
         },
+        "selection": run.report(),
         "after": {
-            "blocks": len(blocks) - len(selection.evicted) - len(selection.gone),
-            "usage": selection.usage,
+            "blocks": blocks_before.blocks - victims.blocks - victims.gone,
+            "usage": budget.usage,
         },
         "over_budget": over,
-        "headers_read": index.headers_read,
+        "headers_read": run.headers_read,
         "seconds": time.perf_counter() - started,
     }
 
 
-def _last_use(victims: Sequence[Block]) -> dict[str, Any]:
+def _last_use(oldest: int | None, newest: int | None) -> dict[str, Any]:
     """The range of the victims' last use (None when nothing was evicted)."""
-    times = [b.mtime_ns for b in victims]
-    oldest, newest = (min(times), max(times)) if times else (None, None)
     return {
         "oldest_ns": oldest,
         "newest_ns": newest,
@@ -401,6 +416,40 @@ def render_pass_line(doc: dict[str, Any], number: int) -> str:
     )
 
 
+class EvictAhead:
+    """How far below ``--max-bytes`` a ``--watch`` pass evicts: what the writers are seen to
+    add between passes (bytes/s, smoothed) times the time until the next pass's evictions
+    land (the interval plus the last pass's duration), at most half the budget. Without it a
+    busy store exceeds its budget by that much before every pass."""
+
+    SMOOTHING = 0.5  # weight of the latest observation
+
+    def __init__(self, interval_s: float, max_bytes: int | None) -> None:
+        self.interval_s = interval_s
+        self.max_bytes = max_bytes
+        self.rate = 0.0  # bytes/s added by writers
+        self._last: tuple[float, int, float] | None = None  # (end, usage after, seconds)
+
+    def headroom(self) -> int:
+        if self.max_bytes is None or self._last is None:
+            return 0
+        ahead = self.rate * (self.interval_s + self._last[2])
+        return int(min(ahead, self.max_bytes / 2))
+
+    def observe(self, doc: dict[str, Any], started: float, ended: float) -> None:
+        """Learn from a finished pass: usage it found against what the previous one left."""
+        if self._last is not None:
+            previous_end, previous_after, _ = self._last
+            elapsed = max(started - previous_end, 1e-3)
+            # Usage found at the start of this pass over what the last one left: the scan
+            # runs during the pass, so the window is from the last end to this pass's middle.
+            window = elapsed + (ended - started) / 2
+            added = max(0, doc["before"]["usage"] - previous_after)
+            latest = added / window
+            self.rate = self.SMOOTHING * latest + (1 - self.SMOOTHING) * self.rate
+        self._last = (ended, doc["after"]["usage"], ended - started)
+
+
 @contextmanager
 def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
     """Set ``stop`` on SIGINT/SIGTERM for the duration (main thread only)."""
@@ -432,12 +481,14 @@ def watch(  # noqa: PLR0913 - root, policy and the watch loop's keyword-only con
     """Run passes until a signal (or ``stop``), or ``max_passes``; exit code 0. A failing
     first pass raises; a later one is warned about, given to ``on_error`` and retried."""
     stop = stop or threading.Event()
-    index = BlockIndex()
+    ahead = EvictAhead(interval_s, policy.max_bytes if policy.evict_ahead else None)
     passes = 0
     with _stop_on_signals(stop):
         while not stop.is_set():
             try:
-                doc = gc_pass(root, policy, index)
+                started = time.monotonic()
+                doc = gc_pass(root, policy, headroom_bytes=ahead.headroom())
+                ahead.observe(doc, started, time.monotonic())
             except (OSError, KvstoreError) as exc:
                 if passes == 0:
                     raise

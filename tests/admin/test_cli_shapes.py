@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,16 +22,23 @@ def ns(root: Path, make_store: StoreFactory) -> str:
 def test_json_shapes(root: Path, ns: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc, doc = cli_json(capsys, "ls", root)
     assert rc == 0 and set(doc) == {"root", "namespaces", "total", "problems"}
-    assert set(doc["namespaces"][0]) == {
+    namespace_keys = {
         "name", "model", "engine", "dtype", "tokens_per_block", "hash_lookahead_tokens", "groups",
         "blocks", "bytes", "oldest_ns", "newest_ns", "oldest", "newest",
     }  # fmt: skip
-    rc, doc = cli_json(capsys, "ls", root, ns)
-    assert rc == 0 and set(doc) == {"root", "namespace", "blocks", "problems"}
-    assert set(doc["blocks"][0]) == {
-        "group", "hash_hi", "hash_lo", "hash", "parent", "tokens", "bytes",
-        "last_access_ns", "last_access", "path", "error",
-    }  # fmt: skip
+    assert set(doc["namespaces"][0]) == namespace_keys
+    rc, out, _ = cli(capsys, "ls", root, ns, "--json")  # JSON Lines: blocks, then a summary
+    *blocks, summary = [json.loads(line) for line in out.splitlines()]
+    assert rc == 0 and len(blocks) == 3
+    assert set(summary) == {"type", "root", "namespace", "problems"}
+    assert summary["type"] == "summary" and set(summary["namespace"]) == set(namespace_keys)
+    assert all(
+        set(b) == {
+            "type", "group", "hash_hi", "hash_lo", "hash", "parent", "tokens", "bytes",
+            "last_access_ns", "last_access", "path", "error",
+        } and b["type"] == "block"
+        for b in blocks
+    )  # fmt: skip
     rc, doc = cli_json(capsys, "du", root)
     assert rc == 0 and set(doc) == {
         "root", "namespaces", "root_entries", "total", "complete", "problems",
@@ -46,7 +54,9 @@ def test_json_shapes(root: Path, ns: str, capsys: pytest.CaptureFixture[str]) ->
     rc, doc = cli_json(capsys, "verify", root)
     assert rc == 0 and set(doc) == {
         "root", "fix", "sample", "blocks", "in_flight_temps", "counts", "findings",
+        "findings_omitted",
     }  # fmt: skip
+    assert set(doc["blocks"]) == {"found", "chosen", "checked", "checked_bytes", "vanished"}
     rc, doc = cli_json(capsys, "gc", root, "--max-bytes", "1G")
     assert rc == 0 and set(doc) == {
         "root", "dry_run", "time", "policy", "before", "trash_emptied", "temps_removed",
@@ -89,4 +99,4 @@ def test_progress_bar_on_a_terminal(
     write(make_store().namespace(make_small_identity()).group(0), [block_hash(1)])
     monkeypatch.setattr("kvstore.admin.progress._stderr_is_tty", lambda: True)
     rc, out, err = cli(capsys, "verify", root, "--json")
-    assert rc == 0 and "scanning" in err and out.startswith("{")  # bars on stderr only
+    assert rc == 0 and "verifying" in err and out.startswith("{")  # bars on stderr only

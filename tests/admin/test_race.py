@@ -91,6 +91,8 @@ def test_gc_watch_against_readers_and_a_writer(
                     "--grace",
                     "0",
                     "--json",
+                    # The survivors asserted below are exactly LRU's: no evicting ahead.
+                    "--no-evict-ahead",
                 ]
             )
             assert rc == 0
