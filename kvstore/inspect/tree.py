@@ -112,16 +112,6 @@ class Forest:
         return [n for n in self.order if not self.children.get(n)]
 
 
-def scan_forest(group: GroupView) -> Forest:
-    """Read every block header of ``group`` (one small read each) and build its exact forest,
-    whatever the group's size (:func:`scan_group` bounds the memory)."""
-    parent: dict[bytes, bytes | None] = {}
-    damaged: BoundedList[Damaged] = BoundedList(bounded.LISTED)
-    for f in group.iter_files():
-        _read_into(group, f, parent, damaged)
-    return Forest.build(parent, damaged.items, damaged.total)
-
-
 @dataclass
 class TreeScan:
     """What :func:`scan_group` found: exact totals, and the exact or the sampled forest."""

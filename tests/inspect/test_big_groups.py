@@ -21,6 +21,7 @@ from kvstore.store.types import BlockWrite, WriteStatus
 from kvstore.store.view import GroupView, StoreView
 from tests.helpers import make_small_identity
 from tests.inspect.conftest import FOREST, Reference, Run, hash_of, run_json
+from tests.inspect.png import png_size
 from tests.inspect.test_damage import flip, path_of
 
 CHAIN, FILLER = 120, 180  # the synthetic group: one 120-block chain among 180 lone blocks
@@ -91,6 +92,14 @@ def test_tree_above_max_blocks_samples_and_holds_at_most_max_blocks(
     assert code == 0
     assert "SAMPLED: 10 of 300 blocks (more than --max-blocks 40)" in out
     assert "~ trees" in out and "300 (" in out and "exact)" in out
+
+
+def test_sampled_forest_is_drawn(big_store: Path, run: Run, tmp_path: Path) -> None:
+    png = tmp_path / "sampled.png"
+    ns = make_small_identity().namespace
+    argv = ("tree", big_store, ns, "--max-blocks", 40, "--sample", 10, "--png", png)
+    code, out, _ = run(*argv, "--size", "400x300")
+    assert code == 0 and f"picture: {png}" in out and png_size(png) == (400, 300)
 
 
 def test_cut_walks_are_reported_and_their_depths_are_lower_bounds(
