@@ -2,11 +2,11 @@
 
 Per namespace: published block bytes per group, temporary files (writes in flight or left by a
 crash), quarantined files, trash (evicted blocks waiting out the grace period) and foreign
-files; in the root: namespaces being removed, temporary and foreign entries. Sizes are
-``st_size`` sums of the files (see :mod:`kvstore.admin.scan`); ``gc_usage`` is what
-``kvstore gc --max-bytes`` compares with its budget (everything but trash and removed
-namespaces, which are already on their way out, and including what can be listed of
-namespaces whose ``zarr.json`` cannot be read).
+files; in the root: namespaces being removed, temporary and foreign entries. ``bytes`` are
+``st_size`` sums of the files, ``allocated_bytes`` what they hold on the disk (``st_blocks``,
+see :mod:`kvstore.admin.scan`); ``gc_usage`` is what ``kvstore gc --max-bytes`` compares with
+its budget: the allocated bytes of everything but trash and removed namespaces (already on
+their way out), including what can be listed of namespaces whose ``zarr.json`` cannot be read.
 
 What cannot be read (a directory that cannot be listed, a namespace whose ``zarr.json`` is
 unreadable) is reported on stderr and under ``problems`` and the rest is counted; the figures
@@ -33,6 +33,10 @@ def _count(items: Iterable[Entry | HeldFile]) -> dict[str, int]:
     return {"files": files, "bytes": nbytes}
 
 
+def _held(items: Iterable[Entry | HeldFile]) -> int:
+    return sum(item.allocated for item in items)
+
+
 def usage(scan: StoreScan) -> dict[str, Any]:
     """The JSON document of ``kvstore du`` for a finished scan."""
     namespaces = []
@@ -53,6 +57,9 @@ def usage(scan: StoreScan) -> dict[str, Any]:
         )
         foreign = _count(mine(scan.foreign))
         block_bytes = sum(g["bytes"] for g in groups)
+        held = scan.tally(ns.name).allocated + sum(
+            _held(mine(items)) for items in (scan.temps, scan.quarantine, scan.trash, scan.foreign)
+        )
         namespaces.append(
             {
                 "name": ns.name,
@@ -68,6 +75,7 @@ def usage(scan: StoreScan) -> dict[str, Any]:
                 + quarantine["bytes"]
                 + trash["bytes"]
                 + foreign["bytes"],
+                "allocated_bytes": held,
             }
         )
     root_temp = _count(t for t in scan.temps if t.namespace is None)
@@ -84,7 +92,12 @@ def usage(scan: StoreScan) -> dict[str, Any]:
         "foreign": _count(scan.foreign),
         "removed_namespaces": removed,
         "gc_usage": counted,
-        "bytes": counted + _count(scan.trash)["bytes"] + removed["bytes"],
+        "bytes": everything.bytes
+        + sum(_count(items)["bytes"] for items in (scan.temps, scan.quarantine, scan.foreign))
+        + sum(u.size for u in scan.unusable)
+        + _count(scan.trash)["bytes"]
+        + removed["bytes"],
+        "allocated_bytes": counted + _held(scan.trash) + _held(scan.removed),
     }
     return {
         "root": str(scan.store.root),
@@ -104,13 +117,14 @@ def problems(scan: StoreScan, *, namespaces: bool = True) -> list[dict[str, str]
 
 
 def gc_usage(scan: StoreScan) -> int:
-    """Bytes ``kvstore gc`` counts against ``--max-bytes``: all but trash and removed namespaces."""
+    """Bytes ``kvstore gc`` counts against ``--max-bytes``: what everything but trash and
+    removed namespaces holds on the disk (allocated, not apparent, bytes)."""
     return (
-        scan.tally().bytes
-        + sum(t.size for t in scan.temps)
-        + sum(q.size for q in scan.quarantine)
-        + sum(f.size for f in scan.foreign)
-        + sum(u.size for u in scan.unusable)
+        scan.tally().allocated
+        + _held(scan.temps)
+        + _held(scan.quarantine)
+        + _held(scan.foreign)
+        + _held(scan.unusable)
     )
 
 
@@ -178,7 +192,8 @@ def render(doc: dict[str, Any]) -> list[str]:
     ]
     lines += table(headers, rows)
     lines.append(
-        f"  counted by gc --max-bytes: {format_size(t['gc_usage'])} ({t['gc_usage']} bytes)"
+        f"  on the disk {format_size(t['allocated_bytes'])}; counted by gc --max-bytes: "
+        f"{format_size(t['gc_usage'])} ({t['gc_usage']} bytes allocated)"
     )
     return lines
 

@@ -193,7 +193,7 @@ class Block:
     group: int
     hash_hi: int
     hash_lo: int
-    size: int
+    size: int  # bytes it holds on the disk (allocated), what gc's budget counts
     mtime_ns: int  # last use
     ino: int
     block_hash: bytes | None = None  # from the header; None if unread or unreadable

@@ -103,7 +103,7 @@ def _block(entry: Entry) -> Block:
         entry.group,
         entry.hash_hi,
         entry.hash_lo,
-        entry.size,
+        entry.allocated,  # gc counts what blocks hold on the disk
         entry.mtime_ns,
         entry.ino,
     )
@@ -215,7 +215,7 @@ class EvictionRun:
         def take(batch: Sequence[Entry]) -> None:
             for entry in batch:
                 if self._candidate(entry, parents, leaves_only):
-                    histogram.add(entry.mtime_ns, entry.size)
+                    histogram.add(entry.mtime_ns, entry.allocated)
 
         self._scan("last use", take)
         return histogram
@@ -242,7 +242,7 @@ class EvictionRun:
                 if not goes(entry.mtime_ns):
                     continue
                 if cut is not None and entry.mtime_ns < cut.before_ns:
-                    below[0] = max(0, below[0] - entry.size)
+                    below[0] = max(0, below[0] - entry.allocated)
                 self._take(_block(entry), parents, goes)
 
         self._scan("evicting", take)
@@ -290,7 +290,7 @@ class EvictionRun:
             child.group,
             found.hash_hi,
             found.hash_lo,
-            found.nbytes,
+            found.allocated,
             found.mtime_ns,
             -1,  # not seen by the scan: the eviction checks the mtime only
         )

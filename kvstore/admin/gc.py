@@ -3,8 +3,9 @@
 **Which blocks go** (last use = mtime, leaves of the prefix trees first, least recently used
 first) is :mod:`kvstore.admin.eviction`'s policy; this module runs it.
 
-* ``--max-bytes N``: evict until the store's usage is at most N. Usage = every byte under the
-  root except trash and removed namespaces: published blocks of all namespaces and groups,
+* ``--max-bytes N``: evict until the store's usage is at most N. Usage = what everything under
+  the root except trash and removed namespaces holds on the disk (allocated bytes, at least
+  each file's size; every byte figure of the report is allocated): published blocks of all namespaces and groups,
   temporary files (writes in flight: they are about to be blocks), quarantine and foreign
   files. Trash is not counted: it is already unpublished and is unlinked one grace period
   later, so the disk can hold at most N plus what was evicted during the last grace period.
@@ -209,11 +210,11 @@ def _by_namespace(scan: StoreScan) -> dict[str, dict[str, int]]:
     for (name, _group), tally in scan.tallies.items():
         row = rows.setdefault(name, dict.fromkeys(fields, 0))
         row["blocks"] += tally.blocks
-        row["block_bytes"] += tally.bytes
+        row["block_bytes"] += tally.allocated
     for q in scan.quarantine:
         row = rows.setdefault(q.namespace or "", dict.fromkeys(fields, 0))
         row["quarantine_entries"] += 1
-        row["quarantine_bytes"] += q.size
+        row["quarantine_bytes"] += q.allocated
     return rows
 
 
@@ -253,7 +254,7 @@ def gc_pass(
     usage_before = gc_usage(scan)
     blocks_before = scan.tally()
     findings = _findings(scan, store)
-    trash_bytes = sum(t.size for t in scan.trash) + sum(r.size for r in scan.removed)
+    trash_bytes = sum(t.allocated for t in scan.trash) + sum(r.allocated for r in scan.removed)
     held = [*scan.trash, *scan.removed]
     if not policy.dry_run:
         held = restamp_future(held, now)
@@ -271,7 +272,7 @@ def gc_pass(
             except FileNotFoundError:
                 continue
         swept += 1
-        swept_bytes += temp.size
+        swept_bytes += temp.allocated
     target = None if policy.max_bytes is None else max(0, policy.max_bytes - headroom_bytes)
     cutoff = now - int(policy.max_age_s * 1e9) if policy.max_age_s is not None else None
     budget = Budget(usage_before - swept_bytes, target, cutoff, now)
@@ -297,12 +298,12 @@ def gc_pass(
         },
         "before": {
             "blocks": blocks_before.blocks,
-            "block_bytes": blocks_before.bytes,
-            "temp_bytes": sum(t.size for t in scan.temps),
-            "quarantine_bytes": sum(q.size for q in scan.quarantine),
-            "foreign_bytes": sum(f.size for f in scan.foreign),
+            "block_bytes": blocks_before.allocated,
+            "temp_bytes": sum(t.allocated for t in scan.temps),
+            "quarantine_bytes": sum(q.allocated for q in scan.quarantine),
+            "foreign_bytes": sum(f.allocated for f in scan.foreign),
             "trash_bytes": trash_bytes,
-            "unusable_bytes": sum(u.size for u in scan.unusable),
+            "unusable_bytes": sum(u.allocated for u in scan.unusable),
             "usage": usage_before,
             "quarantine_entries": len(scan.quarantine),
             "trash_entries": len(scan.trash) + len(scan.removed),
@@ -315,7 +316,7 @@ def gc_pass(
         "trash_emptied": {
             "entries": emptied.entries,
             "files": emptied.files,
-            "bytes": emptied.bytes,
+            "bytes": emptied.allocated,
         },
         "temps_removed": {"files": swept, "bytes": swept_bytes},
         "evict_ahead_bytes": headroom_bytes if policy.max_bytes is not None else 0,

@@ -39,7 +39,7 @@ def remove_namespace(
     store = open_root(root)
     store.namespace(name)  # a clear error naming the namespaces present
     renamed = remove_namespace_dir(store.root, name)
-    files, nbytes = tree_usage(str(renamed))
+    files, nbytes, _held = tree_usage(str(renamed))
     if not now and grace_s > 0:
         print(
             f"kvstore: namespace {name} unpublished as {renamed.name}; waiting {grace_s:g} s for "
@@ -81,7 +81,7 @@ def run(root: Path, name: str, *, yes: bool, grace_s: float, now: bool, as_json:
     store = open_root(root)
     ns = store.namespace(name)
     if not yes:
-        _files, nbytes = tree_usage(str(ns.path))
+        _files, nbytes, _held = tree_usage(str(ns.path))
         if not confirm(name, nbytes):
             print(f"kvstore: rm: {name} not removed (confirmation did not match)", file=sys.stderr)
             return 1

@@ -25,8 +25,10 @@ rest. ``zarr.json`` documents are read only when ``lstat`` says they are regular
 
 Nothing here writes, creates or touches anything (no store object is opened: that would probe
 O_DIRECT with a file in the root and create missing fan-out directories). Files that vanish
-while we list them (eviction, a rename by a writer) are skipped. Sizes are apparent sizes
-(``st_size``): block files are dense, so this is what they occupy, to the file-system block.
+while we list them (eviction, a rename by a writer) are skipped. Every size is kept twice:
+apparent (``st_size``, what ``du`` reports as bytes) and allocated (``st_blocks * 512``, what the
+files hold on the disk, which ``kvstore gc --max-bytes`` counts: a 5 KiB block holds 8 KiB of
+tmpfs or ext4).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class Entry:
     is_dir: bool = False
     mode: int = 0  # st_mode from lstat (foreign entries: what kind of file it is)
     dev: int = -1  # st_dev: with ino, the file found (a fix acts on it, not on its name)
+    allocated: int = 0  # bytes the file (a directory: every file below it) holds on the disk
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,7 @@ class HeldFile:
     size: int
     files: int
     since_ns: int  # when it was put there (from its name; else the inode change time)
+    allocated: int = 0  # bytes held on the disk (st_blocks * 512, summed)
 
 
 @dataclass
@@ -104,12 +108,14 @@ class BlockTally:
 
     blocks: int = 0
     bytes: int = 0
+    allocated: int = 0  # bytes held on the disk
     oldest_ns: int | None = None
     newest_ns: int | None = None
 
-    def add(self, size: int, mtime_ns: int) -> None:
+    def add(self, size: int, allocated: int, mtime_ns: int) -> None:
         self.blocks += 1
         self.bytes += size
+        self.allocated += allocated
         if self.oldest_ns is None or mtime_ns < self.oldest_ns:
             self.oldest_ns = mtime_ns
         if self.newest_ns is None or mtime_ns > self.newest_ns:
@@ -118,6 +124,7 @@ class BlockTally:
     def merge(self, other: BlockTally) -> None:
         self.blocks += other.blocks
         self.bytes += other.bytes
+        self.allocated += other.allocated
         for when in (other.oldest_ns, other.newest_ns):
             if when is not None:
                 self.oldest_ns = when if self.oldest_ns is None else min(self.oldest_ns, when)
@@ -222,11 +229,11 @@ def _scan_root(store: StoreView, scan: StoreScan) -> None:
         is_dir = stat.S_ISDIR(st.st_mode)
         if name in problems:
             # Unreadable as a namespace, but its bytes are on the disk all the same.
-            files, size = tree_usage(path, scan.unreadable)
-            scan.unusable.append(HeldFile(path, name, size, files, st.st_mtime_ns))
+            files, size, held = tree_usage(path, scan.unreadable)
+            scan.unusable.append(HeldFile(path, name, size, files, st.st_mtime_ns, held))
         elif name.startswith(REMOVED_PREFIX) and is_dir:
-            files, size = tree_usage(path, scan.unreadable)
-            scan.removed.append(HeldFile(path, None, size, files, _since_ns(name, st)))
+            files, size, held = tree_usage(path, scan.unreadable)
+            scan.removed.append(HeldFile(path, None, size, files, _since_ns(name, st), held))
         elif (name.startswith((DOC_TMP_PREFIX, PROBE_PREFIX))) and stat.S_ISREG(st.st_mode):
             scan.temps.append(_entry(TEMP, path, None, None, -1, -1, st))
         else:
@@ -251,10 +258,11 @@ def _scan_namespace(
             for item, ist in _listing(path, scan.unreadable):
                 item_path = f"{path}{os.sep}{item}"
                 if stat.S_ISDIR(ist.st_mode):
-                    files, size = tree_usage(item_path, scan.unreadable)
+                    files, size, alloc = tree_usage(item_path, scan.unreadable)
                 else:
-                    files, size = 1, ist.st_size
-                held.append(HeldFile(item_path, ns.name, size, files, _since_ns(item, ist)))
+                    files, size, alloc = 1, ist.st_size, allocated_bytes(ist)
+                since = _since_ns(item, ist)
+                held.append(HeldFile(item_path, ns.name, size, files, since, alloc))
         elif name.startswith(DOC_TMP_PREFIX) and stat.S_ISREG(st.st_mode):
             scan.temps.append(_entry(TEMP, path, ns.name, None, -1, -1, st))
         else:
@@ -443,7 +451,7 @@ class _FanoutTask:
                     continue
                 lo = paths.parse_lo(name)
                 if lo is not None:
-                    part.tally.add(st.st_size, st.st_mtime_ns)
+                    part.tally.add(st.st_size, allocated_bytes(st), st.st_mtime_ns)
                     if self.emit_blocks:
                         batch.append(_entry(BLOCK, path, ns, group, hi, lo, st))
                         if len(batch) >= BLOCK_BATCH:
@@ -463,33 +471,41 @@ class _FanoutTask:
         return part
 
 
-def tree_usage(path: str, unreadable: list[Problem] | None = None) -> tuple[int, int]:
-    """(files, bytes) of every entry below ``path`` that is not a directory (or of ``path``
-    itself); links are counted, never followed. Directories that cannot be listed are appended
-    to ``unreadable`` (when given) and counted as empty."""
+def allocated_bytes(st: os.stat_result) -> int:
+    """What a file holds on the disk: its allocated 512-byte units (``st_blocks``), and never
+    less than its size (a FUSE or network file system may report no blocks at all: gc must
+    not then see an empty store)."""
+    return max(st.st_blocks * 512, st.st_size)
+
+
+def tree_usage(path: str, unreadable: list[Problem] | None = None) -> tuple[int, int, int]:
+    """(files, bytes, allocated bytes) of every entry below ``path`` that is not a directory
+    (or of ``path`` itself); links are counted, never followed. Directories that cannot be
+    listed are appended to ``unreadable`` (when given) and counted as empty."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return 0, 0
+        return 0, 0, 0
     if not stat.S_ISDIR(st.st_mode):
-        return 1, st.st_size
-    files = size = 0
+        return 1, st.st_size, allocated_bytes(st)
+    files = size = held = 0
     pending = [path]
     while pending:
         directory = pending.pop()
         try:
-            listed = paths.list_dir(directory)
+            listed = paths.iter_dir(directory)
+            for name, est in listed:
+                if stat.S_ISDIR(est.st_mode):
+                    pending.append(f"{directory}{os.sep}{name}")
+                else:
+                    files += 1
+                    size += est.st_size
+                    held += allocated_bytes(est)
         except OSError as exc:
             if unreadable is not None:
                 unreadable.append(Problem(Path(directory), _why(exc)))
             continue
-        for name, est in listed:
-            if stat.S_ISDIR(est.st_mode):
-                pending.append(f"{directory}{os.sep}{name}")
-            else:
-                files += 1
-                size += est.st_size
-    return files, size
+    return files, size, held
 
 
 def _entry(  # noqa: PLR0913 - one argument per Entry field a listed file fills; private to the scan
@@ -502,7 +518,17 @@ def _entry(  # noqa: PLR0913 - one argument per Entry field a listed file fills;
     st: os.stat_result,
 ) -> Entry:
     return Entry(
-        kind, path, namespace, group, hi, lo, st.st_size, st.st_mtime_ns, st.st_ino, dev=st.st_dev
+        kind,
+        path,
+        namespace,
+        group,
+        hi,
+        lo,
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ino,
+        dev=st.st_dev,
+        allocated=allocated_bytes(st),
     )
 
 
@@ -514,7 +540,10 @@ def _foreign(
     unreadable: list[Problem],
 ) -> Entry:
     is_dir = stat.S_ISDIR(st.st_mode)
-    size = tree_usage(path, unreadable)[1] if is_dir else st.st_size
+    if is_dir:
+        _files, size, held = tree_usage(path, unreadable)
+    else:
+        size, held = st.st_size, allocated_bytes(st)
     return Entry(
         FOREIGN,
         path,
@@ -528,6 +557,7 @@ def _foreign(
         is_dir,
         st.st_mode,
         st.st_dev,
+        held,
     )
 
 

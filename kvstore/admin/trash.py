@@ -74,6 +74,7 @@ class Emptied:
     files: int
     bytes: int
     failed: tuple[str, ...] = ()  # "<path>: <why>" of entries that could not be deleted
+    allocated: int = 0  # what the removed entries held on the disk
 
 
 def trash_block(namespace_path: Path, group: int, hi: int, lo: int, path: str) -> str | None:
@@ -115,7 +116,7 @@ def delete_held(entries: Iterable[HeldFile], *, dry_run: bool = False) -> Emptie
     """Unlink trash files / remove trashed directories (phase 2); vanished ones are skipped,
     ones that cannot be deleted (an unreadable directory inside, EACCES, EIO) are listed in
     :attr:`Emptied.failed` and the rest carries on. A link is unlinked, never followed."""
-    count = files = nbytes = 0
+    count = files = nbytes = held = 0
     failed: list[str] = []
     for entry in entries:
         if not dry_run:
@@ -132,7 +133,8 @@ def delete_held(entries: Iterable[HeldFile], *, dry_run: bool = False) -> Emptie
         count += 1
         files += entry.files
         nbytes += entry.size
-    return Emptied(count, files, nbytes, tuple(failed))
+        held += entry.allocated
+    return Emptied(count, files, nbytes, tuple(failed), held)
 
 
 def restamp_future(held: Iterable[HeldFile], now_ns: int | None = None) -> list[HeldFile]:
@@ -154,7 +156,7 @@ def restamp_future(held: Iterable[HeldFile], now_ns: int | None = None) -> list[
         except OSError:
             out.append(h)  # cannot rename (read-only?): it keeps its time
             continue
-        out.append(HeldFile(str(new), h.namespace, h.size, h.files, now))
+        out.append(HeldFile(str(new), h.namespace, h.size, h.files, now, h.allocated))
     return out
 
 

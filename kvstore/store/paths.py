@@ -129,8 +129,9 @@ class BlockFile:
     path: Path
     hash_hi: int  # first byte of the block hash (fan-out directory)
     hash_lo: int  # next 62 bits (file name)
-    nbytes: int  # size on disk
+    nbytes: int  # size (st_size)
     mtime_ns: int  # last use (see kvstore.admin.gc)
+    allocated: int = 0  # bytes it holds on the disk (st_blocks * 512, at least nbytes)
 
     @property
     def path_hex(self) -> str:
@@ -260,7 +261,8 @@ def _block_or_problem(  # noqa: PLR0913 - where the entry is, what it is called 
     """The entry at a block name as a :class:`BlockFile` when it is a regular file; anything
     else is never opened and goes to ``problems``."""
     if stat.S_ISREG(st.st_mode):
-        return BlockFile(directory / name, hash_hi, hash_lo, st.st_size, st.st_mtime_ns)
+        allocated = max(st.st_blocks * 512, st.st_size)
+        return BlockFile(directory / name, hash_hi, hash_lo, st.st_size, st.st_mtime_ns, allocated)
     if problems is not None:
         problems[str(directory / name)] = (
             f"{directory / name}: expected a block file, got {describe_kind(st.st_mode)} "
@@ -372,11 +374,11 @@ def _entries(fd: int) -> Iterator[tuple[str, os.stat_result]]:
 
 def _listing(
     directory: Path, root: Path | None, problems: Problems | None
-) -> list[tuple[str, os.stat_result]]:
-    """:func:`list_dir`; a directory that cannot be listed counts as empty (and is recorded in
-    ``problems`` when given)."""
+) -> Iterator[tuple[str, os.stat_result]]:
+    """:func:`iter_dir`, one entry at a time (a fan-out directory of 10^8 blocks' store holds
+    390k); a directory that cannot be listed counts as empty, one failing part-way as what
+    was listed before (either recorded in ``problems`` when given)."""
     try:
-        return list_dir(directory, root=root)
+        yield from iter_dir(directory, root=root)
     except OSError as exc:
         _record_unlistable(directory, exc, problems)
-    return []

@@ -25,6 +25,7 @@ from tests.admin.util import (
     cli,
     cli_json,
     expected_bytes,
+    held,
     set_mtime,
     snapshot,
     write,
@@ -48,7 +49,7 @@ def chain_plus_one(root: Path, make_store: StoreFactory) -> tuple[list[str], int
     now = time.time_ns()
     for path, seconds_ago in zip(paths, [400, 300, 100, 200], strict=True):
         set_mtime(path, now - seconds_ago * NS_PER_S)
-    return paths, group.layout.file_nbytes
+    return paths, held(paths[0])
 
 
 def test_leaves_go_first(
@@ -99,7 +100,7 @@ def test_one_lru_over_all_namespaces(
     p1 = write(g1, [block_hash(i, "x") for i in range(3)])
     p2 = write(g2, [block_hash(i, "y") for i in range(3)])
     age([p1[0], p2[0], p1[1], p2[1], p1[2], p2[2]])
-    size = g1.layout.file_nbytes
+    size = held(p1[0])
     assert cli_json(capsys, "gc", root, "--max-bytes", 3 * size)[0] == 0
     assert present(p1 + p2) == [False, False, True, False, True, True]
 
@@ -124,8 +125,9 @@ def test_dry_run_changes_nothing(
     assert snapshot(root) == before
     assert doc["dry_run"] is True
     assert doc["evicted"]["blocks"] == 6
-    assert doc["trash_emptied"] == {"entries": 1, "files": 1, "bytes": 50}
-    assert doc["temps_removed"] == {"files": 1, "bytes": 100}
+    # Every byte figure of gc's is what the files hold on the disk (a 50-byte file: a page).
+    assert doc["trash_emptied"] == {"entries": 1, "files": 1, "bytes": held(next(trash.iterdir()))}
+    assert doc["temps_removed"] == {"files": 1, "bytes": held(orphan)}
     rc, out, _ = cli(capsys, "gc", root, "--max-bytes", "10G", "--dry-run")
     assert rc == 0 and "dry run" in out and "would evict 0 blocks" in out
     assert snapshot(root) == before
@@ -144,7 +146,7 @@ def test_two_phase_deletion(
     age(paths)
     fd = os.open(paths[0], os.O_RDONLY)  # a reader in the middle of its read
     try:
-        rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 2 * group.layout.file_nbytes)
+        rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 2 * held(paths[0]))
         assert rc == 0 and doc["evicted"]["blocks"] == 1
         assert not os.path.exists(paths[0])
         trash = root / ident.namespace / "trash"
@@ -159,8 +161,8 @@ def test_two_phase_deletion(
     # Still inside the grace period: the next run keeps it.
     rc, doc = cli_json(capsys, "gc", root, "--max-bytes", "1G")
     assert doc["trash_emptied"]["entries"] == 0 and entry.exists()
-    assert doc["before"]["trash_bytes"] == group.layout.file_nbytes
-    assert doc["before"]["usage"] == 2 * group.layout.file_nbytes  # trash is not counted
+    assert doc["before"]["trash_bytes"] == held(entry)
+    assert doc["before"]["usage"] == 2 * held(paths[1])  # trash is not counted
     # A run after the grace period unlinks it.
     later = time.time_ns() + 61 * NS_PER_S
     doc = gc.gc_pass(root, Policy(max_bytes=1 << 30), now_ns=later)
@@ -180,7 +182,7 @@ def test_readers_record_last_use(
     out = np.zeros(group.layout.block_nbytes, dtype=np.uint8)
     assert group.read_blocks([BlockRead(hashes[0], out)])[0].ok
     assert np.array_equal(out, expected_bytes(group, hashes[0]))
-    assert cli_json(capsys, "gc", root, "--max-bytes", 2 * group.layout.file_nbytes)[0] == 0
+    assert cli_json(capsys, "gc", root, "--max-bytes", 2 * held(paths[1]))[0] == 0
     assert present(paths) == [True, False, False, True]
 
 
@@ -195,7 +197,7 @@ def test_block_used_since_the_scan_is_kept(
     hashes = [block_hash(i) for i in range(3)]
     paths = write(group, hashes)
     age(paths)
-    size = group.layout.file_nbytes
+    size = held(paths[0])
     real_take = eviction_pass.EvictionRun._take
 
     def take(run: eviction_pass.EvictionRun, block: object, *args: object) -> None:
@@ -278,7 +280,7 @@ def test_temps_and_quarantine_count_and_over_budget(
     ident = make_small_identity()
     group = store.namespace(ident).group(0)
     paths = write(group, [block_hash(i) for i in range(3)])
-    size = group.layout.file_nbytes
+    size = held(paths[0])
 
     def temp(path: str, token: str) -> str:
         return temp_path_for(path, token) if shape == "current" else f"{path}.tmp-{token}"
@@ -321,7 +323,7 @@ def test_a_pass_within_budget_reads_no_header(root: Path, make_store: StoreFacto
     assert rc == 0
     assert [d["headers_read"] for d in docs] == [0, 0, 0, 0]
     assert [d["before"]["blocks"] for d in docs] == [5, 5, 6, 6]
-    size = group.layout.file_nbytes
+    size = held(paths[0])
     doc = gc.gc_pass(root, Policy(max_bytes=5 * size))
     assert doc["evicted"]["blocks"] == 1 and doc["headers_read"] == 6 + 1
     assert doc["selection"]["rounds"] == 1 and doc["selection"]["parents"] == 0
@@ -348,8 +350,9 @@ def test_watch_cli_json_lines(
     root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     group = make_store().namespace(make_small_identity()).group(0)
-    age(write(group, [block_hash(i) for i in range(4)]))
-    size = group.layout.file_nbytes
+    paths = write(group, [block_hash(i) for i in range(4)])
+    age(paths)
+    size = held(paths[0])
     rc, out, _ = cli(
         capsys,
         "gc",

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.admin import gc
 from kvstore.admin.textfile import Family, Textfile, exposition
 from kvstore.store import paths
-from tests.admin.util import NS_PER_S, age, cli, set_mtime, snapshot, write
+from tests.admin.util import NS_PER_S, age, cli, held, set_mtime, snapshot, write
 from tests.helpers import StoreFactory, block_hash, make_small_identity
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,13 +71,14 @@ def test_watch_metrics_match_the_scenario(
     ga, gb = store.namespace(id_a).group(0), store.namespace(id_b).group(0)
     pa = write(ga, [block_hash(i, "a") for i in range(6)])
     pb = write(gb, [block_hash(i, "b") for i in range(2)])
-    size = ga.layout.file_nbytes
-    assert gb.layout.file_nbytes == size
+    file_size = ga.layout.file_nbytes
+    assert gb.layout.file_nbytes == file_size
+    size = held(pa[0])  # what gc counts of each block: what it holds on the disk
     age(pa + pb)  # A's blocks are the oldest
     with open(pb[1], "r+b") as f:  # a flipped byte in a chunk: verify --fix quarantines it
-        f.seek(size - 100)
+        f.seek(file_size - 100)
         byte = f.read(1)
-        f.seek(size - 100)
+        f.seek(file_size - 100)
         f.write(bytes([byte[0] ^ 0xFF]))
     rc, _out, _err = cli(capsys, "verify", root, "--fix")
     assert rc == 1 and not os.path.exists(pb[1])
@@ -525,17 +526,21 @@ def test_trash_and_temp_counters(
     set_mtime(orphan, hour_ago - 3600 * NS_PER_S)
     trash = root / ident.namespace / "trash"
     trash.mkdir()
-    (trash / f"g0-1-2-{hour_ago}").write_bytes(b"t" * 50)
+    trashed = trash / f"g0-1-2-{hour_ago}"
+    trashed.write_bytes(b"t" * 50)
+    # gc counts what files hold on the disk: a page each for these (at least their size).
+    orphan_bytes, trashed_bytes = held(orphan), held(trashed)
+    assert orphan_bytes >= 100 and trashed_bytes >= 50
     metrics = textdir / "gc.prom"
     rc, _out, err = cli(capsys, "gc", root, "--max-bytes", "1G", "--metrics", metrics)
     assert rc == 0, err
     samples = read_metrics(metrics)
     assert value(samples, "kvstore_gc_trash_entries") == 1
-    assert value(samples, "kvstore_gc_trash_bytes") == 50
+    assert value(samples, "kvstore_gc_trash_bytes") == trashed_bytes
     assert value(samples, "kvstore_gc_trash_unlinked_entries_total") == 1
-    assert value(samples, "kvstore_gc_trash_unlinked_bytes_total") == 50
-    assert value(samples, "kvstore_gc_usage_bytes", kind="temp") == 100
+    assert value(samples, "kvstore_gc_trash_unlinked_bytes_total") == trashed_bytes
+    assert value(samples, "kvstore_gc_usage_bytes", kind="temp") == orphan_bytes
     assert value(samples, "kvstore_gc_temps_removed_files_total") == 1
-    assert value(samples, "kvstore_gc_temps_removed_bytes_total") == 100
+    assert value(samples, "kvstore_gc_temps_removed_bytes_total") == orphan_bytes
     assert value(samples, "kvstore_gc_evicted_blocks_total", namespace=ident.namespace) == 0
     assert not orphan.exists() and not any(trash.iterdir())

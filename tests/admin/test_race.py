@@ -34,7 +34,7 @@ from kvstore.cli import main
 from kvstore.store.types import BlockRead, BlockWrite, WriteStatus
 from tests.admin import race_workers
 from tests.admin.race_workers import contents, race_hash
-from tests.admin.util import NS_PER_S, set_mtime
+from tests.admin.util import NS_PER_S, held, set_mtime
 from tests.helpers import StoreFactory, make_small_identity
 
 P, W, K = 30, 60, 20
@@ -50,7 +50,7 @@ def test_gc_watch_against_readers_and_a_writer(
     now = time.time_ns()
     for i in range(P):  # the initial population is older than anything the writer writes
         set_mtime(group.path_of(race_hash(i)), now - (100 + P - i) * NS_PER_S)
-    size = group.layout.file_nbytes
+    size = held(group.path_of(race_hash(0)))  # what gc counts: what a block holds on the disk
     budget = K * size
 
     ctx = mp.get_context("spawn")

@@ -44,6 +44,12 @@ def write(
     return [group.path_of(h) for h in hashes]
 
 
+def held(path: str | Path) -> int:
+    """What a file holds on the disk as gc and du count it (allocated, at least its size)."""
+    st = os.lstat(path)
+    return max(st.st_blocks * 512, st.st_size)
+
+
 def set_mtime(path: str | Path, ns: int) -> None:
     os.utime(path, ns=(ns, ns))
 
@@ -89,13 +95,15 @@ def cli_json(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, An
         raise AssertionError(f"not JSON (rc {rc}): {out!r} / {err!r}") from None
 
 
-def file_sums(root: Path) -> dict[str, int]:
-    """Byte sums by category computed straight from the files (independent of kvstore.admin)."""
+def file_sums(root: Path, *, allocated: bool = False) -> dict[str, int]:
+    """Byte sums by category computed straight from the files (independent of kvstore.admin):
+    apparent sizes, or (``allocated``) what the files hold on the disk as gc counts it."""
     sums = {"blocks": 0, "block_count": 0, "temp": 0, "quarantine": 0, "trash": 0}
     for dirpath, _dirs, files in os.walk(root):
         parts = Path(dirpath).relative_to(root).parts
         for name in files:
-            size = os.lstat(os.path.join(dirpath, name)).st_size
+            path = os.path.join(dirpath, name)
+            size = held(path) if allocated else os.lstat(path).st_size
             if "quarantine" in parts:
                 sums["quarantine"] += size
             elif "trash" in parts:

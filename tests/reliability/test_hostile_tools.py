@@ -312,8 +312,9 @@ def test_gc_evicts_when_trash_is_a_file(
     if trash.exists():
         trash.rmdir()
     trash.write_bytes(b"not a directory")
-    size = os.path.getsize(paths[0])
-    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 3 * size + len(b"not a directory"))
+    size = os.lstat(paths[0]).st_blocks * 512  # gc counts what files hold on the disk
+    held_by_file = max(os.lstat(trash).st_blocks * 512, trash.stat().st_size)
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 3 * size + held_by_file)
     assert rc == 1  # evicted, and reported the unusable trash
     assert doc["evicted"]["blocks"] == 3 and not doc["over_budget"]
     assert {f["kind"] for f in doc["findings"]} == {"trash-unusable"}
