@@ -5,10 +5,11 @@ first) is :mod:`kvstore.admin.eviction`'s policy; this module runs it.
 
 * ``--max-bytes N``: evict until the store's usage is at most N. Usage = what everything under
   the root except trash and removed namespaces holds on the disk (allocated bytes, at least
-  each file's size; every byte figure of the report is allocated): published blocks of all namespaces and groups,
-  temporary files (writes in flight: they are about to be blocks), quarantine and foreign
-  files. Trash is not counted: it is already unpublished and is unlinked one grace period
-  later, so the disk can hold at most N plus what was evicted during the last grace period.
+  each file's size; every byte figure of the report is allocated): published blocks of all
+  namespaces and groups, temporary files (writes in flight: they are about to be blocks),
+  quarantine and foreign files. Trash is not counted: it is already unpublished and is
+  unlinked one grace period later, so the disk can hold at most N plus what was evicted
+  during the last grace period.
   Only blocks are evicted; if the rest alone exceeds N, gc reports it and exits 1.
 * ``--max-age D``: evict leaves whose last use is older than now - D (repeatedly: a parent
   that becomes a leaf and is old goes too). An old block with a recent descendant stays.
