@@ -19,6 +19,15 @@ Suites (``--suite NAME[,NAME]``; all by default), one module each:
 * ``scale`` (:mod:`kvstore.bench.scale`): every admin and inspection command's wall time and
   peak RSS as the store grows (``--scale-sizes``), with each one's RSS growth.
 
+Run only when named (multi-process stress runs of minutes, not part of ``all`` or ``--full``):
+
+* ``writers`` (:mod:`kvstore.bench.writers`): 1, 2, 4, 8 writer processes into one store
+  (``--writers-procs``), disjoint and overlapping keys; aggregate blocks/s and MB/s, and every
+  key published once, no temporaries left, every block's bytes, ``kvstore verify`` clean.
+* ``soak`` (:mod:`kvstore.bench.soak`): writers, readers and ``kvstore gc --watch`` together
+  for ``--soak-seconds``; nothing wrong read, no acknowledged block lost (every missing one is
+  among gc's victims), ``kvstore verify`` clean.
+
 The report (machine, targets, the markdown page) is :mod:`kvstore.bench.report`; the systems
 the throughput suite compares are :mod:`kvstore.bench.systems`.
 
@@ -57,8 +66,10 @@ from kvstore.bench import (
     overhead,
     scale,
     scaling,
+    soak,
     throughput,
     tier,
+    writers,
 )
 from kvstore.bench.common import DATA_NOTE
 from kvstore.bench.report import legacy_keys, machine, markdown_report, targets
@@ -67,6 +78,8 @@ from kvstore.io.fileio import filesystem_type
 from kvstore.models import model_names
 
 SUITES = ("throughput", "lookup", "layouts", "scaling", "compression", "overhead", "tier", "scale")
+# Suites run only when --suite names them: multi-process stress runs with checks, minutes each.
+ON_REQUEST_SUITES = ("writers", "soak")
 # The default run: the store against the raw floor, lookup and per-block overhead, in about a
 # minute on the 2-core reference machine; the other suites with --suite or --full.
 QUICK_SUITES = ("throughput", "lookup", "overhead")
@@ -119,7 +132,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--suite",
         default=None,
-        help=f"comma list of {SUITES} or 'all' (default: {','.join(QUICK_SUITES)}; --full: all)",
+        help=(
+            f"comma list of {SUITES + ON_REQUEST_SUITES} or 'all' (default: "
+            f"{','.join(QUICK_SUITES)}; --full and 'all': {','.join(SUITES)})"
+        ),
     )
     parser.add_argument("--full", action="store_true", help="the big runs of docs/performance.md")
     parser.add_argument(
@@ -170,6 +186,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="tier suite: the systems take turns every N blocks (default: one after the other)",
     )
+    _add_stress_args(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--markdown", type=Path, default=None, help="write a markdown page (and PNGs next to it)"
@@ -193,11 +210,46 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.suite is None:
         args.suite = ",".join(SUITES if args.full else QUICK_SUITES)
     suites = list(SUITES) if args.suite == "all" else _names(args.suite)
-    unknown = [s for s in suites if s not in SUITES]
+    unknown = [s for s in suites if s not in SUITES + ON_REQUEST_SUITES]
     if unknown:
-        parser.error(f"--suite: unknown {unknown}; expected names from {list(SUITES)}")
+        parser.error(
+            f"--suite: unknown {unknown}; expected names from {list(SUITES + ON_REQUEST_SUITES)}"
+        )
     args.suites = suites
     return args
+
+
+def _add_stress_args(parser: argparse.ArgumentParser) -> None:
+    """The options of the suites run only on request (:data:`ON_REQUEST_SUITES`)."""
+    parser.add_argument(
+        "--writers-procs", default="1,2,4,8", help="writers suite: process counts (comma list)"
+    )
+    parser.add_argument(
+        "--writers-blocks", type=int, default=20_000, help="writers suite: blocks per process"
+    )
+    parser.add_argument(
+        "--writers-modes",
+        default=",".join(writers.MODES),
+        help=f"writers suite: key modes, comma list of {writers.MODES}",
+    )
+    parser.add_argument("--soak-seconds", type=float, default=120.0, help="soak suite: duration")
+    parser.add_argument("--soak-writers", type=int, default=2, help="soak suite: writer processes")
+    parser.add_argument("--soak-readers", type=int, default=2, help="soak suite: reader processes")
+    parser.add_argument(
+        "--soak-rate",
+        type=float,
+        default=500.0,
+        help="soak suite: blocks/s per writer at most (0: unpaced)",
+    )
+    parser.add_argument(
+        "--soak-budget",
+        type=int,
+        default=None,
+        help="soak suite: gc --max-bytes in bytes (default: half of what the writers write)",
+    )
+    parser.add_argument(
+        "--soak-interval", type=float, default=1.0, help="soak suite: gc --watch --interval"
+    )
 
 
 # The fast-storage run's scratch directory (tmpfs on Linux).
@@ -378,6 +430,25 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "compression": _run_compression,
     "overhead": _run_overhead,
     "scale": lambda args, base: scale.run(base, _ints(args.scale_sizes)),
+    "writers": lambda args, base: writers.run(
+        base,
+        _ints(args.writers_procs),
+        args.writers_blocks,
+        _names(args.writers_modes),
+        durability=args.durability,
+        threads=args.threads,
+    ),
+    "soak": lambda args, base: soak.run(
+        base,
+        args.soak_seconds,
+        writers=args.soak_writers,
+        readers=args.soak_readers,
+        rate=args.soak_rate,
+        budget=args.soak_budget,
+        interval=args.soak_interval,
+        durability=args.durability,
+        threads=args.threads,
+    ),
     "tier": lambda args, base: tier.run(
         base / "tier",
         _names(args.models)[0],
@@ -395,6 +466,8 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "overhead": overhead.table,
     "tier": tier.table,
     "scale": scale.table,
+    "writers": writers.table,
+    "soak": soak.table,
 }
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "throughput": throughput.plot,
