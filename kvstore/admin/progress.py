@@ -13,9 +13,14 @@ from tqdm import tqdm
 
 
 class Progress:
-    """A progress bar (or nothing); ``update(n)`` advances it. Use as a context manager."""
+    """A progress bar (or nothing); ``update(n)`` advances it. Use as a context manager.
 
-    def __init__(self, total: int, desc: str, unit: str = "dir", *, enabled: bool = True) -> None:
+    ``total=None``: a count with a rate and no end (a streaming command that cannot know how
+    many items there are before it has seen them all)."""
+
+    def __init__(
+        self, total: int | None, desc: str, unit: str = "dir", *, enabled: bool = True
+    ) -> None:
         show = enabled and _stderr_is_tty()
         self._bar: tqdm | None = (
             tqdm(
@@ -35,6 +40,12 @@ class Progress:
     def update(self, n: int = 1) -> None:
         if self._bar is not None:
             self._bar.update(n)
+
+    def note(self, text: str) -> None:
+        """Show ``text`` after the bar (what has been done besides the unit counted), redrawn
+        with the bar's next update: cheap enough to call per item."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
 
     def close(self) -> None:
         if self._bar is not None:

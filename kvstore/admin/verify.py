@@ -27,27 +27,38 @@ The temp, foreign and metadata checks always cover the whole store; ``--sample``
 the block checks. Read-only unless ``--fix``: then bad blocks and foreign entries of a
 namespace move to ``<ns>/quarantine/`` and orphan temporary files are deleted; entries of the
 root and metadata problems are reported, never changed. Exit code 1 when anything was found,
-fixed or not (0: clean; young temporary files are not findings).
+fixed or not (0: clean; young temporary files are not findings); 130 when a Ctrl-C stopped it.
+
+**Streaming.** A store may hold 10^8 blocks: none of the block entries is kept. The scan hands
+them over in batches (``scan_store(on_blocks=...)``); ``--sample`` is a seeded draw per block;
+the chosen ones are checked (and, with ``--fix``, quarantined) on ``--threads`` reader threads
+with a bounded window of tasks in flight (:class:`_BlockChecker`), and only counts and the
+first :data:`MAX_LISTED_BLOCK_FINDINGS` block findings are kept. Temporary, foreign and
+unreadable entries are still collected by the scan (a store has few) and all listed. A Ctrl-C
+lets the checks and fixes in flight finish, then raises :class:`VerifyInterrupted` with how far
+the run got.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import stat
+import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvstore.admin.blockfile import BlockFault, judge_block_file
 from kvstore.admin.progress import Progress
 from kvstore.admin.report import print_json, print_lines, table
-from kvstore.admin.scan import Entry, fanout_dirs, open_root, scan_store
+from kvstore.admin.scan import Entry, StoreScan, fanout_dirs, open_root, scan_store
 from kvstore.admin.sizes import format_duration, format_size
 from kvstore.admin.trash import HeldDirectoryError, ReplacedError, quarantine_file
 from kvstore.errors import StoreFormatError
@@ -67,6 +78,22 @@ BAD_NAMESPACE = "bad-namespace"
 SYMLINK = "symlink"
 SPECIAL_FILE = "special-file"
 UNREADABLE = "unreadable"
+QUARANTINED_AS = "quarantined as "
+# Block findings listed in the document; every one is counted (``counts``) and fixed
+# (``--fix``) all the same. A store can hold millions of bad blocks (a disk that failed): the
+# list, and the table printed from it, must not grow with them.
+MAX_LISTED_BLOCK_FINDINGS = 10_000
+# Blocks one task checks on a reader thread: enough to amortise a future and its hand-over (a
+# small block is judged in ~30 us on tmpfs), few enough to spread a batch over the threads.
+TASK_BLOCKS = 64
+# Tasks queued or running per reader thread: every thread has its next task ready while the
+# calling thread records results, and at most threads * TASKS_AHEAD * TASK_BLOCKS entries wait.
+TASKS_AHEAD = 2
+# Longest wait for a result before the calling thread looks for a Ctrl-C again.
+WAIT_SLICE_S = 0.1
+# How often the progress bar's "checked" note is rewritten.
+NOTE_INTERVAL_S = 0.25
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
 
 @dataclass(frozen=True)
@@ -102,24 +129,82 @@ class VerifyOptions:
 
 
 def verify_store(root: Path, options: VerifyOptions) -> dict[str, Any]:
-    """Run every check (and the fixes); the JSON document of ``kvstore verify``."""
+    """Run every check (and the fixes); the JSON document of ``kvstore verify``.
+
+    Memory is bounded whatever the number of blocks (module doc, *Streaming*). A Ctrl-C
+    (KeyboardInterrupt) stops the run with :class:`VerifyInterrupted` once every check and
+    fix in flight has finished."""
     if not 0 < options.sample <= 1:
         raise ValueError(f"--sample: expected a fraction in (0, 1], got {options.sample}")
     store = open_root(root)
-    with Progress(fanout_dirs(store.namespaces), "scanning", enabled=options.progress) as bar:
-        scan = scan_store(store, on_dir=bar.update)
     by_name = {ns.name: ns for ns in store.namespaces}
     findings: list[Finding] = [
         Finding(BAD_NAMESPACE, str(p.path), p.path.name, None, p.detail, _left(options))
         for p in store.problems
     ]
     findings += _check_metadata(store.namespaces, options)
-    chosen = _sample(scan.blocks, options)
-    checked, vanished, block_findings = _check_blocks(chosen, by_name, options)
-    findings += block_findings
+    total_dirs = fanout_dirs(store.namespaces)
+    with (
+        Progress(total_dirs, "verifying", enabled=options.progress) as bar,
+        ThreadPoolExecutor(max(1, options.threads), thread_name_prefix="kvstore-verify") as pool,
+    ):
+        checker = _BlockChecker(by_name, options, pool, bar)
+        try:
+            scan = scan_store(store, on_dir=checker.dir_done, on_blocks=checker.feed)
+            checker.finish()
+        except KeyboardInterrupt:
+            checker.interrupt()  # before the pool's exit: tasks not begun are dropped
+            raise VerifyInterrupted(checker.partial(total_dirs, blocks_done=False)) from None
+    try:
+        findings += _sweep(scan, by_name, store.root, options)
+    except KeyboardInterrupt:
+        # Between two fixes (each one rename or unlink): what the sweep found is not counted.
+        raise VerifyInterrupted(checker.partial(total_dirs, blocks_done=True)) from None
+    now = time.time_ns()
+    in_flight = [t for t in scan.temps if t.mtime_ns > now - int(options.tmp_age_s * 1e9)]
+    counts = dict(checker.counts)
+    for f in findings:
+        counts[f.kind] = counts.get(f.kind, 0) + 1
+    findings += checker.findings
+    findings.sort(key=lambda f: (f.kind, f.path))
+    return {
+        "root": str(store.root),
+        "fix": options.fix,
+        "sample": options.sample,
+        "blocks": {
+            "found": checker.found,
+            "chosen": checker.chosen,
+            "checked": checker.checked,
+            "checked_bytes": checker.checked_bytes,
+            "vanished": checker.vanished,
+        },
+        "in_flight_temps": [
+            {"path": _rel(t.path, store.root), "bytes": t.size, "age_s": (now - t.mtime_ns) / 1e9}
+            for t in in_flight
+        ],
+        "counts": dict(sorted(counts.items())),
+        "findings": [f.to_json(store.root) for f in findings],
+        "findings_omitted": checker.omitted,
+    }
+
+
+class VerifyInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped ``kvstore verify``: every check and fix in flight finished first (a
+    quarantine is one atomic rename, a temp deletion one unlink: nothing is half-done).
+    :attr:`partial` says how far the run got (:func:`render_partial`)."""
+
+    def __init__(self, partial: dict[str, Any]) -> None:
+        super().__init__("verify interrupted")
+        self.partial = partial
+
+
+def _sweep(
+    scan: StoreScan, by_name: dict[str, NamespaceView], root: Path, options: VerifyOptions
+) -> list[Finding]:
+    """Findings (and fixes) of the temporary, foreign and unreadable entries of a scan."""
+    findings: list[Finding] = []
     now = time.time_ns()
     orphan_limit = now - int(options.tmp_age_s * 1e9)
-    in_flight = [t for t in scan.temps if t.mtime_ns > orphan_limit]
     for temp in scan.temps:
         if temp.mtime_ns <= orphan_limit:
             age = (now - temp.mtime_ns) / 1e9
@@ -128,88 +213,195 @@ def verify_store(root: Path, options: VerifyOptions) -> dict[str, Any]:
                 f"{format_duration(options.tmp_age_s)} (a writer crashed)"
             )
             findings.append(_fix_temp(temp, detail, options))
-    for entry in scan.foreign:
-        findings.append(_fix_foreign(entry, by_name, store.root, options))
+    findings += [_fix_foreign(entry, by_name, root, options) for entry in scan.foreign]
     findings += [
         Finding(UNREADABLE, str(p.path), None, None, p.detail, _left(options))
         for p in scan.unreadable
     ]
-    findings.sort(key=lambda f: (f.kind, f.path))
-    counts: dict[str, int] = {}
-    for f in findings:
-        counts[f.kind] = counts.get(f.kind, 0) + 1
-    return {
-        "root": str(store.root),
-        "fix": options.fix,
-        "sample": options.sample,
-        "blocks": {
-            "found": len(scan.blocks),
-            "checked": checked,
-            "checked_bytes": sum(b.size for b in chosen),
-            "vanished": vanished,
-        },
-        "in_flight_temps": [
-            {"path": _rel(t.path, store.root), "bytes": t.size, "age_s": (now - t.mtime_ns) / 1e9}
-            for t in in_flight
-        ],
-        "counts": counts,
-        "findings": [f.to_json(store.root) for f in findings],
-    }
+    return findings
 
 
-def _sample(blocks: Sequence[Entry], options: VerifyOptions) -> list[Entry]:
-    if options.sample >= 1:
-        return list(blocks)
-    rng = random.Random(options.seed)
-    k = min(len(blocks), math.ceil(options.sample * len(blocks)))
-    return rng.sample(list(blocks), k)
+class _Sampler:
+    """``--sample p``: one independent Bernoulli(p) draw per block, in scan order, from a
+    generator seeded with ``--seed``. The same seed over the same listing chooses the same
+    blocks, and nothing needs the number of blocks in advance (a streamed scan does not know
+    it); how many were chosen is in the report (``blocks.chosen``)."""
+
+    def __init__(self, fraction: float, seed: int | None) -> None:
+        self._fraction = fraction
+        self._rng = random.Random(seed)  # None: seeded from the OS, a new sample each run
+
+    def choose(self, blocks: Sequence[Entry]) -> Sequence[Entry]:
+        if self._fraction >= 1:
+            return blocks
+        draw, fraction = self._rng.random, self._fraction
+        return [b for b in blocks if draw() < fraction]
 
 
-def _check_blocks(
-    blocks: Sequence[Entry], namespaces: dict[str, NamespaceView], options: VerifyOptions
-) -> tuple[int, int, list[Finding]]:
-    """(blocks checked, blocks that vanished meanwhile, findings)."""
+@dataclass
+class _TaskResult:
+    """What one task of :class:`_BlockChecker` did with its blocks."""
 
-    def check(block: Entry) -> tuple[BlockFault | None, FileId | None] | FileNotFoundError:
-        """The verdict on ``block`` and the identity of the file judged (the one a fix may
-        move: a copy re-published under the name after this check is never touched)."""
-        ns = namespaces[block.namespace or ""]
-        assert block.group is not None
-        group = ns.groups[block.group]
-        codec = Codec.for_name(group.compression, group.layout.itemsize)
-        spec = ShardSpec(group.layout, ns.digest, group.index, codec)
-        try:
-            return judge_block_file(block.path, spec, block.hash_hi, block.hash_lo)
-        except FileNotFoundError as exc:
-            return exc
-        except OSError as exc:
-            return BlockFault("unreadable", f"{type(exc).__name__}: {exc}"), None
+    checked: int = 0
+    checked_bytes: int = 0
+    vanished: int = 0
+    fixed: int = 0
+    faults: list[Finding] = field(default_factory=list)
 
-    findings: list[Finding] = []
-    checked = vanished = 0
-    total = sum(b.size for b in blocks)
-    with (
-        Progress(total, "verifying", unit="B", enabled=options.progress) as bar,
-        ThreadPoolExecutor(max(1, options.threads)) as pool,
-    ):
-        for block, outcome in zip(blocks, pool.map(check, blocks), strict=True):
-            bar.update(block.size)
-            if isinstance(outcome, FileNotFoundError):
-                vanished += 1  # evicted or quarantined while we looked: not a finding
+
+class _BlockChecker:
+    """The block checks of one run, fed batch by batch by the scan (``on_blocks``).
+
+    Chosen blocks go to the reader threads in tasks of :data:`TASK_BLOCKS`; at most
+    ``threads * TASKS_AHEAD`` tasks are queued or running, and the scan waits (on the calling
+    thread) for the oldest to finish before submitting another, so the entries held stay
+    bounded. Results are taken in submission order: the findings listed are the first ones in
+    scan order, the same from run to run over the same listing. Each task judges a block and,
+    with ``--fix``, quarantines it at once (the file judged, by identity): a fix never waits
+    behind the rest of the scan, and an interrupted run has fixed every bad block it reported.
+    """
+
+    def __init__(
+        self,
+        namespaces: dict[str, NamespaceView],
+        options: VerifyOptions,
+        pool: ThreadPoolExecutor,
+        bar: Progress,
+    ) -> None:
+        self._namespaces = namespaces
+        self._options = options
+        self._pool = pool
+        self._bar = bar
+        self._sampler = _Sampler(options.sample, options.seed)
+        self._specs: dict[tuple[str, int], ShardSpec] = {}
+        self._window: deque[Future[_TaskResult]] = deque()
+        self._limit = max(1, options.threads) * TASKS_AHEAD
+        self._stop = threading.Event()
+        self._noted = 0.0
+        self.dirs = 0
+        self.found = self.chosen = self.checked = self.checked_bytes = 0
+        self.vanished = self.fixed = self.omitted = 0
+        self.counts: dict[str, int] = {}
+        self.findings: list[Finding] = []  # the first MAX_LISTED_BLOCK_FINDINGS, scan order
+
+    def dir_done(self) -> None:
+        self.dirs += 1
+        self._bar.update()
+
+    def feed(self, batch: Sequence[Entry]) -> None:
+        """The scan's ``on_blocks``: draw the sample, submit the chosen blocks."""
+        self.found += len(batch)
+        chosen = self._sampler.choose(batch)
+        self.chosen += len(chosen)
+        for i in range(0, len(chosen), TASK_BLOCKS):
+            while len(self._window) >= self._limit:
+                self._take_oldest()
+            self._window.append(self._pool.submit(self._check, chosen[i : i + TASK_BLOCKS]))
+
+    def finish(self) -> None:
+        while self._window:
+            self._take_oldest()
+
+    def interrupt(self) -> None:
+        """Ctrl-C: submit nothing more, drop the tasks not begun, let the running ones stop
+        after the block each is on (its check and fix complete), and count what they did."""
+        self._stop.set()
+        for task in self._window:
+            task.cancel()
+        while self._window:
+            self._take_oldest()
+
+    def partial(self, total_dirs: int, *, blocks_done: bool) -> dict[str, Any]:
+        """How far an interrupted run got (:func:`render_partial`)."""
+        return {
+            "fanout_dirs": {"scanned": self.dirs, "total": total_dirs},
+            "blocks": {
+                "found": self.found,
+                "chosen": self.chosen,
+                "checked": self.checked,
+                "checked_bytes": self.checked_bytes,
+                "vanished": self.vanished,
+            },
+            "counts": dict(sorted(self.counts.items())),
+            "fixed": self.fixed,
+            "fix": self._options.fix,
+            "blocks_done": blocks_done,
+        }
+
+    def _take_oldest(self) -> None:
+        oldest = self._window[0]  # a Ctrl-C while waiting leaves it in the window
+        while True:
+            # In slices: a SIGINT that lands just before a lock wait does not wake it, and
+            # the Ctrl-C would wait for the task to end (seconds, on a slow file system).
+            try:
+                result = oldest.result(timeout=WAIT_SLICE_S)
+            except TimeoutError:
                 continue
-            checked += 1
-            fault, identity = outcome
+            except CancelledError:
+                result = _TaskResult()
+            break
+        self._window.popleft()
+        self.checked += result.checked
+        self.checked_bytes += result.checked_bytes
+        self.vanished += result.vanished
+        self.fixed += result.fixed
+        for finding in result.faults:
+            self.counts[finding.kind] = self.counts.get(finding.kind, 0) + 1
+            if len(self.findings) < MAX_LISTED_BLOCK_FINDINGS:
+                self.findings.append(finding)
+            else:
+                self.omitted += 1
+        now = time.monotonic()
+        if now - self._noted >= NOTE_INTERVAL_S:
+            self._noted = now
+            self._bar.note(
+                f"{self.checked} blocks, {format_size(self.checked_bytes)} checked, "
+                f"{sum(self.counts.values())} bad"
+            )
+
+    def _spec(self, namespace: str, group: int) -> ShardSpec:
+        # Built once per array (threads may race to build the same one: the same value).
+        key = (namespace, group)
+        spec = self._specs.get(key)
+        if spec is None:
+            ns = self._namespaces[namespace]
+            g = ns.groups[group]
+            codec = Codec.for_name(g.compression, g.layout.itemsize)
+            spec = self._specs[key] = ShardSpec(g.layout, ns.digest, g.index, codec)
+        return spec
+
+    def _check(self, blocks: Sequence[Entry]) -> _TaskResult:
+        """On a reader thread: judge ``blocks`` one by one (and fix the bad ones)."""
+        out = _TaskResult()
+        fix = self._options.fix
+        for block in blocks:
+            if self._stop.is_set():
+                break  # Ctrl-C: the blocks not begun stay unchecked (the summary says so)
+            namespace = block.namespace or ""
+            assert block.group is not None
+            spec = self._spec(namespace, block.group)
+            try:
+                fault, identity = judge_block_file(block.path, spec, block.hash_hi, block.hash_lo)
+            except FileNotFoundError:
+                out.vanished += 1  # evicted or quarantined while we looked: not a finding
+                continue
+            except OSError as exc:
+                fault, identity = BlockFault("unreadable", f"{type(exc).__name__}: {exc}"), None
+            out.checked += 1
+            out.checked_bytes += block.size
             if fault is None:
                 continue
             action = None
-            if options.fix:
-                ns = namespaces[block.namespace or ""]
+            if fix:
+                # The file judged (identity), never a copy re-published under the name since.
+                ns = self._namespaces[namespace]
                 name = f"g{block.group}-{block.hash_hi}-{block.hash_lo}"
                 action = _quarantine(ns, name, block.path, identity)
-            findings.append(
+                out.fixed += action.startswith(QUARANTINED_AS)
+            out.faults.append(
                 Finding(fault.kind, block.path, block.namespace, block.group, fault.detail, action)
             )
-    return checked, vanished, findings
+        return out
 
 
 def _check_metadata(namespaces: Sequence[NamespaceView], options: VerifyOptions) -> list[Finding]:
@@ -342,7 +534,7 @@ def _quarantine(ns: NamespaceView, name: str, path: str, identity: FileId | None
 def _quarantined(moved: str | None, ns: NamespaceView) -> str:
     if moved is None:
         return "vanished before the fix"
-    return f"quarantined as {os.path.relpath(moved, ns.path.parent)}"
+    return f"{QUARANTINED_AS}{os.path.relpath(moved, ns.path.parent)}"
 
 
 def _left(options: VerifyOptions) -> str | None:
@@ -358,7 +550,7 @@ def _rel(path: str, root: Path) -> str:
 
 def render(doc: dict[str, Any]) -> list[str]:
     b = doc["blocks"]
-    sample = "" if doc["sample"] >= 1 else f" (sample {doc['sample']:g})"
+    sample = "" if doc["sample"] >= 1 else f" (sample {doc['sample']:g}: {b['chosen']} chosen)"
     lines = [
         f"store {doc['root']}: checked {b['checked']} of {b['found']} blocks{sample}, "
         f"{format_size(b['checked_bytes'])}"
@@ -370,11 +562,16 @@ def render(doc: dict[str, Any]) -> list[str]:
             "(writes in flight; left alone)"
         )
     findings = doc["findings"]
-    if not findings:
+    if not doc["counts"]:
         lines.append("  no findings")
         return lines
-    summary = ", ".join(f"{n} {kind}" for kind, n in sorted(doc["counts"].items()))
-    lines.append(f"  {len(findings)} finding(s): {summary}")
+    lines.append(f"  {sum(doc['counts'].values())} finding(s): {_summary(doc['counts'])}")
+    if doc["findings_omitted"]:
+        lines.append(
+            f"  listing the first {MAX_LISTED_BLOCK_FINDINGS} bad blocks (scan order) and every "
+            f"other finding; {doc['findings_omitted']} more bad block(s) not listed"
+            + (" (all fixed like those listed)" if doc["fix"] else "")
+        )
     rows = [
         [f["kind"], f["path"], f["detail"]] + ([f["action"] or "-"] if doc["fix"] else [])
         for f in findings
@@ -383,11 +580,42 @@ def render(doc: dict[str, Any]) -> list[str]:
     return lines + table(headers, rows)
 
 
+def render_partial(partial: dict[str, Any]) -> list[str]:
+    """The lines ``kvstore verify`` prints on stderr when a Ctrl-C stopped it."""
+    b, dirs = partial["blocks"], partial["fanout_dirs"]
+    counts = partial["counts"]
+    found = f"findings so far: {_summary(counts)}" if counts else "no findings so far"
+    if partial["fix"]:
+        found += f" ({partial['fixed']} quarantined)"
+    return [
+        "kvstore: verify interrupted; every check and fix in flight finished (nothing is "
+        "half-done)",
+        f"  scanned {dirs['scanned']} of {dirs['total']} fan-out directories: "
+        f"{b['found']} blocks listed, {b['checked']} checked "
+        f"({format_size(b['checked_bytes'])}), {b['vanished']} vanished",
+        f"  {found}",
+        "  every block was checked; the sweep of temporary, foreign and unreadable entries "
+        "was cut short (run verify again)"
+        if partial["blocks_done"]
+        else "  not checked: the remaining blocks, temporary files, foreign and unreadable "
+        "entries (run verify again)",
+    ]
+
+
+def _summary(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+
+
 def run(root: Path, options: VerifyOptions, *, as_json: bool) -> int:
-    """``kvstore verify``: exit 0 clean, 1 findings (fixed or not)."""
-    doc = verify_store(root, options)
+    """``kvstore verify``: exit 0 clean, 1 findings (fixed or not), 130 stopped by Ctrl-C
+    (a partial summary on stderr, nothing on stdout: a document would claim a whole run)."""
+    try:
+        doc = verify_store(root, options)
+    except VerifyInterrupted as stopped:
+        print_lines(render_partial(stopped.partial), sys.stderr)
+        return EXIT_INTERRUPTED
     if as_json:
         print_json(doc)
     else:
         print_lines(render(doc))
-    return 1 if doc["findings"] else 0
+    return 1 if doc["counts"] else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -74,25 +75,38 @@ def test_ls_namespaces_json(
     assert doc["total"]["blocks"] == 5 + 7 + 2
 
 
+def ls_lines(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, list[Any]]:
+    """Run ``kvstore ls ROOT NS --json``: (exit code, its JSON Lines objects)."""
+    rc, out, err = cli(capsys, *argv, "--json")
+    try:
+        return rc, [json.loads(line) for line in out.splitlines()]
+    except ValueError:
+        raise AssertionError(f"not JSON Lines (rc {rc}): {out!r} / {err!r}") from None
+
+
 def test_ls_namespace_blocks(
     root: Path, populated: dict[str, Identity], capsys: pytest.CaptureFixture[str]
 ) -> None:
     ident = populated["small"]
-    rc, doc = cli_json(capsys, "ls", root, ident.namespace)
+    rc, objects = ls_lines(capsys, "ls", root, ident.namespace)
     assert rc == 0
+    *blocks, summary = objects
+    assert [b["type"] for b in blocks] == ["block"] * 5 and summary["type"] == "summary"
     chain = chain_hashes(5)
-    blocks = doc["blocks"]
-    # Most recently used first: the chain was aged oldest-first.
+    # Streamed in scan order; sorted by last use, the chain (aged oldest-first) comes back.
+    blocks.sort(key=lambda b: -b["last_access_ns"])
     assert [b["hash"] for b in blocks] == [h.hex() for h in reversed(chain)]
     assert [b["parent"] for b in blocks] == [h.hex() for h in reversed(chain[:-1])] + [None]
     assert all(b["tokens"] == 16 and b["group"] == 0 and b["error"] is None for b in blocks)
     for b in blocks:
         st = os.stat(root / b["path"])
         assert (b["bytes"], b["last_access_ns"]) == (st.st_size, st.st_mtime_ns)
-    assert doc["namespace"]["blocks"] == 5
+    assert summary["namespace"]["blocks"] == 5 and summary["problems"] == []
+    assert summary["namespace"]["bytes"] == sum(b["bytes"] for b in blocks)
     rc, out, _ = cli(capsys, "ls", root, ident.namespace)
     assert rc == 0
     assert chain[0].hex()[:16] in out and "last access" in out
+    assert out.splitlines()[-1].startswith("  5 blocks, ")
 
 
 def test_du_matches_files(
@@ -125,9 +139,11 @@ def test_listing_is_read_only(
     root: Path, populated: dict[str, Identity], capsys: pytest.CaptureFixture[str]
 ) -> None:
     before = snapshot(root)
-    for argv in (["ls", root], ["ls", root, populated["two"].namespace], ["du", root]):
+    for argv in (["ls", root], ["du", root]):
         assert cli(capsys, *argv)[0] == 0
         assert cli_json(capsys, *argv)[0] == 0
+    assert cli(capsys, "ls", root, populated["two"].namespace)[0] == 0
+    assert ls_lines(capsys, "ls", root, populated["two"].namespace)[0] == 0
     assert snapshot(root) == before
 
 

@@ -155,21 +155,37 @@ def test_verify_root_foreign_is_reported_not_moved(
 def test_verify_sample(
     root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """``--sample p`` checks each block with probability p (a seeded draw per block): every
+    block is bad here, so the findings name the blocks chosen."""
     store = make_store()
     group = store.namespace(make_small_identity()).group(0)
-    paths = write(group, [block_hash(i) for i in range(20)])
+    paths = write(group, [block_hash(i) for i in range(40)])
+    for path in paths:
+        flip(path, group.layout.chunk_offset(0) + 1)
     orphan = paths[0] + ".tmp-0000000000000001"
     Path(orphan).write_bytes(b"")
     set_mtime(orphan, time.time_ns() - 7200 * NS_PER_S)
-    rc, doc = cli_json(capsys, "verify", root, "--sample", "0.25", "--seed", "3")
-    assert rc == 1
-    assert doc["blocks"] == {
-        "found": 20,
-        "checked": 5,
-        "checked_bytes": 5 * group.layout.file_nbytes,
+
+    def sample(seed: int) -> tuple[dict[str, int], set[str]]:
+        rc, doc = cli_json(capsys, "verify", root, "--sample", "0.25", "--seed", str(seed))
+        assert rc == 1
+        chosen = {f["path"] for f in doc["findings"] if f["kind"] == "corrupt"}
+        assert doc["counts"] == {"corrupt": len(chosen), "orphan-temp": 1}  # temps: all
+        return doc["blocks"], chosen
+
+    blocks, chosen = sample(3)
+    assert 0 < len(chosen) < 40
+    assert blocks == {
+        "found": 40,
+        "chosen": len(chosen),
+        "checked": len(chosen),
+        "checked_bytes": len(chosen) * group.layout.file_nbytes,
         "vanished": 0,
     }
-    assert [f["kind"] for f in doc["findings"]] == ["orphan-temp"]  # temp scan always complete
+    assert sample(3) == (blocks, chosen)  # the same seed, the same listing: the same blocks
+    assert sample(4)[1] != chosen
+    rc, out, _ = cli(capsys, "verify", root, "--sample", "0.25", "--seed", "3")
+    assert rc == 1 and f"(sample 0.25: {len(chosen)} chosen)" in out
     with pytest.raises(SystemExit) as exc:
         cli(capsys, "verify", root, "--sample", "0")
     assert exc.value.code == 2
