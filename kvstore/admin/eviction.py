@@ -58,13 +58,56 @@ _SATURATED = 255  # a counter that reached this is never decremented again (safe
 BUCKETS = 1 << 16
 
 _MASK64 = (1 << 64) - 1
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _mix(x: int) -> int:
     """splitmix64's finaliser: spreads any 64-bit input over all 64 bits."""
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    x = (x ^ (x >> 30)) * _M1 & _MASK64
+    x = (x ^ (x >> 27)) * _M2 & _MASK64
     return x ^ (x >> 31)
+
+
+def _mix_many(x: np.ndarray) -> np.ndarray:
+    """:func:`_mix` of every element of a uint64 array (numpy wraps like ``& _MASK64``)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(_M1)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(_M2)
+    mixed: np.ndarray = x ^ (x >> np.uint64(31))
+    return mixed
+
+
+class KeyHasher:
+    """Slots of block keys in a table of ``size``: ``hashes`` per key, one key at a time or
+    a batch of one group's keys at once (numpy), the same slots either way."""
+
+    def __init__(self, size: int, hashes: int, seed: int) -> None:
+        self.size = size
+        self.hashes = hashes
+        self._seed = seed
+        self._salts: dict[tuple[str, int], int] = {}
+
+    def salt(self, namespace: str, group: int) -> int:
+        salt = self._salts.get((namespace, group))
+        if salt is None:
+            salt = self._salts[(namespace, group)] = _mix(
+                (hash((namespace, group)) ^ self._seed) & _MASK64
+            )
+        return salt
+
+    def slots(self, key: BlockKey) -> list[int]:
+        ns, group, hi, lo = key
+        h1 = _mix(self.salt(ns, group) ^ (hi << 56) ^ lo)
+        h2 = _mix(h1) | 1
+        return [((h1 + i * h2) & _MASK64) % self.size for i in range(self.hashes)]
+
+    def slots_many(self, namespace: str, group: int, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        """Shape (hashes, len(hi)): the slots of keys (namespace, group, hi[j], lo[j])."""
+        x = np.uint64(self.salt(namespace, group)) ^ (hi << np.uint64(56)) ^ lo
+        h1 = _mix_many(x)
+        h2 = _mix_many(h1) | np.uint64(1)
+        size = np.uint64(self.size)
+        slots: np.ndarray = np.stack([(h1 + np.uint64(i) * h2) % size for i in range(self.hashes)])
+        return slots
 
 
 def bloom_false_positive_rate(parents: int, counters: int = DEFAULT_FILTER_COUNTERS) -> float:
@@ -79,40 +122,72 @@ class ParentCounts:
         if counters < 64:
             raise ValueError(f"parent filter: expected at least 64 counters, got {counters}")
         self._counts = np.zeros(counters, dtype=np.uint8)
-        self._size = counters
-        self._salts: dict[tuple[str, int], int] = {}
+        self._hasher = KeyHasher(counters, FILTER_HASHES, seed=0)
         self.added = 0
-
-    def _slots(self, key: BlockKey) -> list[int]:
-        ns, group, hi, lo = key
-        salt = self._salts.get((ns, group))
-        if salt is None:
-            salt = self._salts[(ns, group)] = _mix(hash((ns, group)) & _MASK64)
-        h1 = _mix(salt ^ (hi << 56) ^ lo)
-        h2 = _mix(h1) | 1
-        return [(h1 + i * h2) % self._size for i in range(FILTER_HASHES)]
 
     def add(self, key: BlockKey) -> None:
         counts = self._counts
-        for slot in self._slots(key):
+        for slot in self._hasher.slots(key):
             if counts[slot] < _SATURATED:
                 counts[slot] += 1
         self.added += 1
 
+    def add_many(self, namespace: str, group: int, hi: np.ndarray, lo: np.ndarray) -> None:
+        """:meth:`add` of every key (namespace, group, hi[j], lo[j]) at once."""
+        if not len(hi):
+            return
+        slots, repeats = np.unique(
+            self._hasher.slots_many(namespace, group, hi, lo), return_counts=True
+        )
+        counts = self._counts
+        counts[slots] = np.minimum(counts[slots].astype(np.int64) + repeats, _SATURATED)
+        self.added += len(hi)
+
     def remove(self, key: BlockKey) -> None:
         """One child of ``key`` went (only keys that were added; a saturated counter stays)."""
         counts = self._counts
-        for slot in self._slots(key):
+        for slot in self._hasher.slots(key):
             if 0 < counts[slot] < _SATURATED:
                 counts[slot] -= 1
 
     def may_be_parent(self, key: BlockKey) -> bool:
         counts = self._counts
-        return all(counts[slot] for slot in self._slots(key))
+        return all(counts[slot] for slot in self._hasher.slots(key))
+
+    def may_be_parent_many(
+        self, namespace: str, group: int, hi: np.ndarray, lo: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`may_be_parent` of every key at once (a bool array)."""
+        found: np.ndarray = self._counts[self._hasher.slots_many(namespace, group, hi, lo)]
+        return np.asarray(found.all(axis=0))
 
     @property
     def nbytes(self) -> int:
         return int(self._counts.nbytes)
+
+
+class KeySet:
+    """A Bloom filter (bits, 2 hashes) of block keys: a false positive says "in" wrongly."""
+
+    def __init__(self, bits: int) -> None:
+        self._bits = np.zeros((bits + 7) // 8, dtype=np.uint8)
+        self._hasher = KeyHasher(bits, 2, seed=0x5EED)
+
+    def add(self, key: BlockKey) -> None:
+        for s in self._hasher.slots(key):
+            self._bits[s >> 3] |= np.uint8(1 << (s & 7))
+
+    def __contains__(self, key: BlockKey) -> bool:
+        bits = self._bits
+        return all(bits[s >> 3] & (1 << (s & 7)) for s in self._hasher.slots(key))
+
+    def contains_many(
+        self, namespace: str, group: int, hi: np.ndarray, lo: np.ndarray
+    ) -> np.ndarray:
+        slots = self._hasher.slots_many(namespace, group, hi, lo)
+        byte = self._bits[slots >> np.uint64(3)]
+        found = (byte >> (slots & np.uint64(7)).astype(np.uint8)) & np.uint8(1)
+        return np.asarray(found.all(axis=0))
 
 
 def parent_key(

@@ -18,7 +18,7 @@ Every scan hands blocks over in batches (:func:`kvstore.admin.scan.scan_store`'s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,10 +27,10 @@ import numpy as np
 from kvstore.admin.eviction import (
     DEFAULT_FILTER_COUNTERS,
     Block,
-    BlockKey,
     Cut,
     Evicted,
     EvictFn,
+    KeySet,
     LastUseHistogram,
     ParentCounts,
     VictimTally,
@@ -46,6 +46,7 @@ from kvstore.store.view import StoreView
 # Rounds of leaf evictions one pass may make before the last-use-only round.
 MAX_ROUNDS = 8
 HEADER_THREADS = 8
+HEADERS_PER_TASK = 64
 
 
 @dataclass
@@ -62,25 +63,25 @@ class Budget:
         return 0 if self.max_bytes is None else self.usage - self.max_bytes
 
 
-class _Evicted:
-    """A Bloom filter (bits) of the blocks this pass evicted: a block exposed and evicted
-    through its child is not taken again when the scan reaches it (nor, in a dry run, in a
-    later round). A false positive keeps a block one more pass."""
+def _by_group(
+    batch: Sequence[Entry],
+) -> Iterator[tuple[str, int, list[Entry], np.ndarray, np.ndarray]]:
+    """The batch's entries per (namespace, group), with their coordinates as uint64 arrays
+    (a batch comes from one fan-out directory: one group, but nothing here relies on it)."""
+    parts: dict[tuple[str, int], list[Entry]] = {}
+    for entry in batch:
+        assert entry.namespace is not None and entry.group is not None
+        parts.setdefault((entry.namespace, entry.group), []).append(entry)
+    for (namespace, group), entries in parts.items():
+        hi = np.fromiter((e.hash_hi for e in entries), np.uint64, len(entries))
+        lo = np.fromiter((e.hash_lo for e in entries), np.uint64, len(entries))
+        yield namespace, group, entries, hi, lo
 
-    def __init__(self, bits: int) -> None:
-        self._bits = np.zeros(bits // 8, dtype=np.uint8)
-        self._size = bits
 
-    def _slots(self, key: BlockKey) -> tuple[int, int]:
-        h = hash(key) & ((1 << 64) - 1)
-        return h % self._size, (h >> 32 ^ h * 31) % self._size
-
-    def add(self, key: BlockKey) -> None:
-        for s in self._slots(key):
-            self._bits[s >> 3] |= 1 << (s & 7)
-
-    def __contains__(self, key: BlockKey) -> bool:
-        return all(self._bits[s >> 3] & (1 << (s & 7)) for s in self._slots(key))
+def _read_parents(paths: Sequence[str]) -> list[tuple[bytes | None, bytes | None] | None]:
+    """:func:`_read_parent` of each path (one task per chunk: a task per header would cost
+    more than reading it on a fast file system)."""
+    return [_read_parent(path) for path in paths]
 
 
 def _read_parent(path: str) -> tuple[bytes | None, bytes | None] | None:
@@ -132,7 +133,7 @@ class EvictionRun:
         self._counters = counters
         self._progress = progress
         self.parents: ParentCounts | None = None
-        self._evicted = _Evicted(max(64, counters))
+        self._evicted = KeySet(max(64, counters))
 
     # -- what the pass must do ------------------------------------------------------------
 
@@ -184,7 +185,12 @@ class EvictionRun:
         with ThreadPoolExecutor(HEADER_THREADS, thread_name_prefix="kvstore-gc") as pool:
 
             def take(batch: Sequence[Entry]) -> None:
-                reads = pool.map(_read_parent, [e.path for e in batch])
+                paths = [e.path for e in batch]
+                chunks = [
+                    paths[i : i + HEADERS_PER_TASK] for i in range(0, len(paths), HEADERS_PER_TASK)
+                ]
+                reads = [r for chunk in pool.map(_read_parents, chunks) for r in chunk]
+                named: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
                 for entry, read in zip(batch, reads, strict=True):
                     if read is None:
                         continue
@@ -193,17 +199,32 @@ class EvictionRun:
                     own = (entry.namespace, entry.group, entry.hash_hi, entry.hash_lo)
                     pk = parent_key(entry.namespace, entry.group, read[1], own)
                     if pk is not None:
-                        parents.add(pk)
+                        his, los = named.setdefault((pk[0], pk[1]), ([], []))
+                        his.append(pk[2])
+                        los.append(pk[3])
+                for (namespace, group), (his, los) in named.items():
+                    parents.add_many(
+                        namespace,
+                        group,
+                        np.array(his, dtype=np.uint64),
+                        np.array(los, dtype=np.uint64),
+                    )
 
             self._scan("parents", take)
         return parents
 
-    def _candidate(self, entry: Entry, parents: ParentCounts, leaves_only: bool) -> bool:
-        assert entry.namespace is not None and entry.group is not None
-        key = (entry.namespace, entry.group, entry.hash_hi, entry.hash_lo)
-        if key in self._evicted:
-            return False
-        return not (leaves_only and parents.may_be_parent(key))
+    def _candidates(
+        self, batch: Sequence[Entry], parents: ParentCounts, leaves_only: bool
+    ) -> Iterator[Entry]:
+        """The entries of ``batch`` this round may evict: not evicted yet this pass and, in a
+        leaf round, certainly nobody's parent."""
+        for namespace, group, entries, hi, lo in _by_group(batch):
+            keep = ~self._evicted.contains_many(namespace, group, hi, lo)
+            if leaves_only:
+                keep &= ~parents.may_be_parent_many(namespace, group, hi, lo)
+            for entry, wanted in zip(entries, keep.tolist(), strict=True):
+                if wanted:
+                    yield entry
 
     def _histogram(
         self, parents: ParentCounts, leaves_only: bool, oldest_ns: int
@@ -213,9 +234,8 @@ class EvictionRun:
             return histogram  # age only: the cut-off is known, no need to count
 
         def take(batch: Sequence[Entry]) -> None:
-            for entry in batch:
-                if self._candidate(entry, parents, leaves_only):
-                    histogram.add(entry.mtime_ns, entry.allocated)
+            for entry in self._candidates(batch, parents, leaves_only):
+                histogram.add(entry.mtime_ns, entry.allocated)
 
         self._scan("last use", take)
         return histogram
@@ -236,14 +256,15 @@ class EvictionRun:
             return mtime_ns < cut.boundary_end_ns and b.excess > below[0]
 
         def take(batch: Sequence[Entry]) -> None:
-            for entry in batch:
-                if not self._candidate(entry, parents, leaves_only):
-                    continue
+            for entry in self._candidates(batch, parents, leaves_only):
                 if not goes(entry.mtime_ns):
                     continue
+                victim = _block(entry)
+                if victim.key in self._evicted:
+                    continue  # taken through its child earlier in this batch (last-use round)
                 if cut is not None and entry.mtime_ns < cut.before_ns:
                     below[0] = max(0, below[0] - entry.allocated)
-                self._take(_block(entry), parents, goes)
+                self._take(victim, parents, goes)
 
         self._scan("evicting", take)
 

@@ -44,9 +44,9 @@ from kvstore.store.paths import BlockFile
 from kvstore.store.view import GroupView
 
 #: Largest group whose exact forest is built (``tree --max-blocks``): ~1 KB of memory a block.
-MAX_BLOCKS = 50_000
+MAX_BLOCKS = 10_000
 #: Blocks sampled above :data:`MAX_BLOCKS` (``tree --sample``).
-SAMPLE_BLOCKS = 10_000
+SAMPLE_BLOCKS = 2_500
 # How the walk from a sampled block towards its root ended at a node of the sampled forest.
 START, ORPHAN, CUT, PARENT_DAMAGED = "chain start", "orphan", "cut", "parent damaged"
 _MASK64 = (1 << 64) - 1

@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 
 from kvstore.admin import gc
-from kvstore.admin.eviction import LastUseHistogram, ParentCounts, bloom_false_positive_rate
+from kvstore.admin.eviction import (
+    KeySet,
+    LastUseHistogram,
+    ParentCounts,
+    bloom_false_positive_rate,
+)
 from kvstore.admin.gc import Policy
 from kvstore.store.paths import temp_path_for
 from kvstore.store.types import BlockRead, ReadStatus
@@ -249,6 +254,32 @@ def test_parent_filter_counts_children_and_saturates_safely() -> None:
     assert bloom_false_positive_rate(10**6) < 1e-3 < bloom_false_positive_rate(10**8)
     with pytest.raises(ValueError, match="at least 64 counters"):
         ParentCounts(8)
+
+
+def test_batch_and_single_key_filters_agree() -> None:
+    """The scans ask the filters a fan-out directory at a time (numpy); evictions one key at
+    a time: both must find the same slots, or a parent could be exposed that is not."""
+    rng = np.random.default_rng(7)
+    hi = rng.integers(0, 256, 300, dtype=np.uint64)
+    lo = rng.integers(0, 1 << 62, 300, dtype=np.uint64)
+    keys = [("ns", 1, int(h), int(x)) for h, x in zip(hi, lo, strict=True)]
+    counts = ParentCounts(1 << 16)
+    counts.add_many("ns", 1, hi[:100], lo[:100])
+    counts.add_many("ns", 1, hi[:10], lo[:10])  # ten keys named twice: two children each
+    batch = counts.may_be_parent_many("ns", 1, hi, lo)
+    assert batch.tolist() == [counts.may_be_parent(k) for k in keys]
+    assert batch[:100].all() and batch[100:].sum() <= 3
+    for k in keys[:10]:
+        counts.remove(k)
+    assert counts.may_be_parent_many("ns", 1, hi[:10], lo[:10]).all()  # one child left each
+    for k in keys[:100]:
+        counts.remove(k)
+    assert not counts.may_be_parent_many("ns", 1, hi[:100], lo[:100]).any()
+    seen = KeySet(1 << 16)
+    for k in keys[:50]:
+        seen.add(k)
+    many = seen.contains_many("ns", 1, hi, lo)
+    assert many.tolist() == [k in seen for k in keys] and many[:50].all()
 
 
 def test_histogram_cut_frees_the_excess_oldest_first() -> None:
