@@ -356,7 +356,7 @@ def run(  # noqa: PLR0913 - where and for how long, then the workload's knobs ke
     if report["gc"]["exit"] != 0:
         problems.append(f"gc exit {report['gc']['exit']}: {report['gc']['stderr_tail']}")
     report.update(
-        seconds=round(elapsed, 1),
+        soak_seconds=round(elapsed, 1),  # "seconds" is the driver's: the suite's whole run
         writers=writers,
         readers=readers,
         rate_per_writer=rate,
@@ -498,7 +498,7 @@ def table(result: dict[str, Any]) -> str:
     g, rd, end = result["gc"], result["reads"], result["end"]
     budget = result["budget"]
     lines = [
-        f"{result['seconds']} s: {result['writers']} writers (<= {result['rate_per_writer']:g} "
+        f"{result['soak_seconds']} s: {result['writers']} writers (<= {result['rate_per_writer']:g} "
         f"blocks/s each), {result['readers']} readers, gc --watch to {budget / 1e6:.1f} MB",
         f"  writes  {result['acknowledged']:>10,} acknowledged  {result['writes_per_s'] or 0:>8,}/s",
         f"  reads   {rd['reads']:>10,} ({rd['hits']:,} hits, {rd['misses']:,} misses, "

@@ -135,7 +135,8 @@ class Census:
 
 def census(root: Path) -> Census:
     """Walk the store: published block files (a decimal name in a decimal fan-out directory
-    below ``<ns>/g<k>/c/``), temporary files, trash and quarantine entries, anything else."""
+    below ``<ns>/g<k>/c/``), temporary files, trash and quarantine entries, anything else.
+    A block file that vanishes between listing and ``lstat`` (gc still running) is left out."""
     blocks: Counter[tuple[str, int, int, int]] = Counter()
     temps: list[str] = []
     foreign: list[str] = []
@@ -160,8 +161,12 @@ def census(root: Path) -> Census:
                 if hi is None:
                     foreign.append(path)
                     continue
+                try:
+                    size = os.lstat(path).st_size
+                except FileNotFoundError:  # evicted since the listing (the soak's gc runs on)
+                    continue
                 blocks[(rel[0], int(rel[1].removeprefix("g") or -1), hi, int(name))] += 1
-                block_bytes += os.lstat(path).st_size
+                block_bytes += size
             else:
                 foreign.append(path)
     return Census(blocks, temps, trash, quarantine, foreign, block_bytes)

@@ -87,8 +87,8 @@ def test_soak_suite_loses_nothing_and_reads_nothing_wrong(
 ) -> None:
     budget = 150 * writers.suite_layout().file_nbytes
     result = _suite(
-        capsys, tmp_path, "soak", "--soak-seconds", "5", "--soak-rate", "200",
-        "--soak-budget", str(budget), "--soak-interval", "0.5",
+        capsys, tmp_path, "soak", "--soak-seconds", "4", "--soak-rate", "200",
+        "--soak-readers", "1", "--soak-budget", str(budget), "--soak-interval", "0.5",
     )  # fmt: skip
     assert result["problems"] == []
     assert result["ok"]
