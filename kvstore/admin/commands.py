@@ -26,7 +26,7 @@ def add_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         "ls",
         help="list namespaces, or the blocks of one namespace",
         description="Namespaces (model, dtype, groups, blocks, bytes, oldest/newest last use); "
-        "with NS, its blocks (hash, parent, tokens, size, last use), most recent first.",
+        "with NS, its blocks (hash, parent, tokens, size, last use) in scan order, streamed.",
     )
     p_ls.add_argument("root", type=store_root, help=root_help)
     p_ls.add_argument("namespace", nargs="?", help="namespace directory name")

@@ -255,14 +255,7 @@ def _scan_namespace(
             continue
         if name in (QUARANTINE, TRASH) and is_dir:
             held = scan.quarantine if name == QUARANTINE else scan.trash
-            for item, ist in _listing(path, scan.unreadable):
-                item_path = f"{path}{os.sep}{item}"
-                if stat.S_ISDIR(ist.st_mode):
-                    files, size, alloc = tree_usage(item_path, scan.unreadable)
-                else:
-                    files, size, alloc = 1, ist.st_size, allocated_bytes(ist)
-                since = _since_ns(item, ist)
-                held.append(HeldFile(item_path, ns.name, size, files, since, alloc))
+            _scan_held(path, ns.name, held, scan.unreadable, fanned_out=name == TRASH)
         elif name.startswith(DOC_TMP_PREFIX) and stat.S_ISREG(st.st_mode):
             scan.temps.append(_entry(TEMP, path, ns.name, None, -1, -1, st))
         else:
@@ -272,6 +265,24 @@ def _scan_namespace(
     if arrays:
         for group in ns.groups:
             _scan_group(ns, group, scan, on_dir, on_blocks)
+
+
+def _scan_held(
+    path: str, namespace: str, held: list[HeldFile], unreadable: list[Problem], *, fanned_out: bool
+) -> None:
+    """Each entry of a quarantine or trash directory; trash's fan-out directories
+    (``trash/<hi>/``, named like the store's) are entered and their entries listed instead."""
+    valid_hi = {str(hi) for hi in paths.FANOUT}
+    for item, ist in _listing(path, unreadable):
+        item_path = f"{path}{os.sep}{item}"
+        if stat.S_ISDIR(ist.st_mode):
+            if fanned_out and item in valid_hi:
+                _scan_held(item_path, namespace, held, unreadable, fanned_out=False)
+                continue
+            files, size, alloc = tree_usage(item_path, unreadable)
+        else:
+            files, size, alloc = 1, ist.st_size, allocated_bytes(ist)
+        held.append(HeldFile(item_path, namespace, size, files, _since_ns(item, ist), alloc))
 
 
 def _scan_group(

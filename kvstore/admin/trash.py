@@ -4,10 +4,12 @@ Servers read a store while the admin tools remove things from it, possibly from 
 machines over a shared file system. The protocol that keeps every read whole:
 
 1. **Unpublish by rename.** ``gc`` never unlinks a published block name: it renames the file
-   to ``<ns>/trash/g<k>-<hi>-<lo>-<ns time>`` (same directory tree, same file system, so the
-   rename is atomic). From then on a reader opening the published name gets ENOENT - a miss,
-   which the engine recomputes. A reader that opened the file before keeps a descriptor of the
-   same, complete, immutable inode and reads and verifies it as usual.
+   to ``<ns>/trash/<hi>/g<k>-<hi>-<lo>-<ns time>`` (same directory tree, same file system, so
+   the rename is atomic; fanned out by the block's fan-out directory like the store, so that a
+   pass evicting millions does not leave one directory of millions). From then on a reader
+   opening the published name gets ENOENT - a miss, which the engine recomputes. A reader that
+   opened the file before keeps a descriptor of the same, complete, immutable inode and reads
+   and verifies it as usual.
    ``rm`` does the same for a whole namespace: ``<root>/<ns>`` becomes
    ``<root>/.trash-<ns>-<ns time>``.
 2. **Unlink after a grace period.** Trash entries are deleted only when the time in their name
@@ -83,7 +85,7 @@ def trash_block(namespace_path: Path, group: int, hi: int, lo: int, path: str) -
     Returns the trash path, or None if the file (or its namespace) was already gone.
     """
     name = f"g{group}-{hi}-{lo}-{time.time_ns()}"
-    return _move(path, namespace_path / TRASH, name)
+    return _move(path, namespace_path, (TRASH, str(hi)), name)
 
 
 def quarantine_file(
@@ -95,7 +97,7 @@ def quarantine_file(
     moved: if a writer re-published the name since, :class:`ReplacedError` and the new file
     stays (see :func:`kvstore.io.entries.move_if_same`). None if ``path`` is gone.
     """
-    return _move(path, namespace_path / QUARANTINE, f"{name}-{time.time_ns()}", identity)
+    return _move(path, namespace_path, (QUARANTINE,), f"{name}-{time.time_ns()}", identity)
 
 
 def remove_namespace_dir(root: Path, name: str) -> Path:
@@ -160,40 +162,47 @@ def restamp_future(held: Iterable[HeldFile], now_ns: int | None = None) -> list[
     return out
 
 
-def _move(path: str, directory: Path, name: str, identity: FileId | None = None) -> str | None:
-    """Rename ``path`` to ``directory/name``, entering ``directory`` (and its parent, the
-    namespace) only as real directories; None if ``path`` or the namespace is gone. With
-    ``identity``, only if ``path`` still is that file (else :class:`ReplacedError`)."""
+def _move(
+    path: str,
+    namespace_path: Path,
+    held_dirs: tuple[str, ...],
+    name: str,
+    identity: FileId | None = None,
+) -> str | None:
+    """Rename ``path`` to ``<namespace>/<held_dirs...>/name``, entering the namespace and each
+    held directory (created if missing) only as real directories; None if ``path`` or the
+    namespace is gone. With ``identity``, only if ``path`` still is that file (else
+    :class:`ReplacedError`)."""
     try:
-        parent = os.open(directory.parent, _DIR_FLAGS)
+        parent = os.open(namespace_path, _DIR_FLAGS)
     except FileNotFoundError:
         return None  # the namespace was removed meanwhile
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise HeldDirectoryError(
-                f"{directory.parent}: expected a directory, got none"
-            ) from None
+            raise HeldDirectoryError(f"{namespace_path}: expected a directory, got none") from None
         raise
+    # The namespace's own permission bits (owner-only unless the store is group-shared);
+    # every mkdir is relative to its parent's descriptor: a removed namespace is not
+    # resurrected.
+    mode = stat.S_IMODE(os.fstat(parent).st_mode)
+    directory = namespace_path
     try:
-        # The namespace's own permission bits (owner-only unless the store is group-shared);
-        # mkdir is relative to the namespace's descriptor: a removed namespace is not
-        # resurrected.
-        mode = stat.S_IMODE(os.fstat(parent).st_mode)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(directory.name, mode, dir_fd=parent)
-        try:
-            held = os.open(directory.name, _DIR_FLAGS, dir_fd=parent)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise
-            raise HeldDirectoryError(_not_a_directory(directory)) from None
-        try:
-            if not _rename_into(path, held, name, identity):
-                return None  # gone already (another gc, a reader's quarantine, rm of the ns)
-        finally:
-            os.close(held)
+        for component in held_dirs:
+            directory = directory / component
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(component, mode, dir_fd=parent)
+            try:
+                held = os.open(component, _DIR_FLAGS, dir_fd=parent)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise HeldDirectoryError(_not_a_directory(directory)) from None
+            os.close(parent)
+            parent = held
+        if not _rename_into(path, parent, name, identity):
+            return None  # gone already (another gc, a reader's quarantine, rm of the ns)
     finally:
         os.close(parent)
     return str(directory / name)

@@ -8,7 +8,7 @@
     <root>/.kvstore-probe-*                        the engine's O_DIRECT probe (kvstore.io.host)
     <root>/<ns>/zarr.json                          a namespace (its identity)
     <root>/<ns>/quarantine/g<k>-<hi>-<lo>-<time>   a corrupt block moved aside by a reader
-    <root>/<ns>/trash/g<k>-<hi>-<lo>-<time>        a block evicted by ``kvstore gc``
+    <root>/<ns>/trash/<hi>/g<k>-<hi>-<lo>-<time>   a block evicted by ``kvstore gc``
     <root>/<ns>/g<k>/zarr.json                     array ``g<k>`` (KV-cache group k)
     <root>/<ns>/g<k>/c/0/.../0/<hi>/<lo>           the shard file of one block
     <root>/<ns>/g<k>/c/0/.../0/<hi>/.<lo>.tmp-<t>  a block being written (token ``t``)

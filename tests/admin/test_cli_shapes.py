@@ -45,11 +45,11 @@ def test_json_shapes(root: Path, ns: str, capsys: pytest.CaptureFixture[str]) ->
     }  # fmt: skip
     assert set(doc["namespaces"][0]) == {
         "name", "blocks", "block_bytes", "groups", "temp", "quarantine", "trash", "foreign",
-        "bytes",
+        "bytes", "allocated_bytes",
     }  # fmt: skip
     assert set(doc["total"]) == {
         "blocks", "block_bytes", "temp", "quarantine", "trash", "foreign",
-        "removed_namespaces", "gc_usage", "bytes",
+        "removed_namespaces", "gc_usage", "bytes", "allocated_bytes",
     }  # fmt: skip
     rc, doc = cli_json(capsys, "verify", root)
     assert rc == 0 and set(doc) == {
@@ -61,7 +61,8 @@ def test_json_shapes(root: Path, ns: str, capsys: pytest.CaptureFixture[str]) ->
     assert rc == 0 and set(doc) == {
         "root", "dry_run", "time", "policy", "before", "trash_emptied", "temps_removed",
         "evicted", "after", "over_budget", "headers_read", "seconds", "usage_complete",
-        "future_mtimes_reset", "findings", "by_namespace", "filesystem",
+        "future_mtimes_reset", "findings", "by_namespace", "filesystem", "evict_ahead_bytes",
+        "selection",
     }  # fmt: skip
     assert set(doc["evicted"]) == {
         "blocks", "bytes", "by_namespace", "kept_recently_used", "already_gone", "last_use",

@@ -155,8 +155,11 @@ def test_two_phase_deletion(
         assert rc == 0 and doc["evicted"]["blocks"] == 1
         assert not os.path.exists(paths[0])
         trash = root / ident.namespace / "trash"
-        (entry,) = trash.iterdir()
-        assert entry.name.startswith("g0-")
+        (bucket,) = trash.iterdir()  # fanned out like the store: trash/<hi>/
+        hi = int(Path(paths[0]).parent.name)
+        assert bucket.name == str(hi)
+        (entry,) = bucket.iterdir()
+        assert entry.name.startswith(f"g0-{hi}-")
         data = os.pread(fd, group.layout.file_nbytes + 1, 0)
         assert data == entry.read_bytes() and len(data) == group.layout.file_nbytes
     finally:
@@ -174,6 +177,33 @@ def test_two_phase_deletion(
     assert doc["trash_emptied"]["entries"] == 1 and not entry.exists()
     rc, doc = cli_json(capsys, "gc", root, "--max-bytes", "1G", "--grace", "0")
     assert rc == 0 and doc["trash_emptied"]["entries"] == 0
+
+
+def test_trash_is_fanned_out_and_flat_entries_still_expire(
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Victims go to trash/<hi>/ (like the blocks: no directory of millions after a big pass);
+    entries of the earlier flat trash are still counted and unlinked once expired."""
+    store = make_store()
+    ident = make_small_identity()
+    group = store.namespace(ident).group(0)
+    paths = write(group, [block_hash(i) for i in range(40)])
+    age(paths)
+    trash = root / ident.namespace / "trash"
+    trash.mkdir()
+    flat = trash / f"g0-1-2-{time.time_ns() - 600 * NS_PER_S}"  # an earlier version's entry
+    flat.write_bytes(b"f" * 10)
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 0, "--grace", "1h")
+    assert rc == 0 and doc["evicted"]["blocks"] == 40
+    assert doc["trash_emptied"]["entries"] == 0 and flat.exists()  # 10 min: not expired
+    his = {Path(p).parent.name for p in paths}
+    assert {d.name for d in trash.iterdir() if d.is_dir()} == his
+    moved = [e for d in trash.iterdir() if d.is_dir() for e in d.iterdir()]
+    assert len(moved) == 40 and all(e.name.startswith(f"g0-{e.parent.name}-") for e in moved)
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", "1G", "--grace", "0")
+    assert doc["before"]["trash_entries"] == 41
+    assert doc["trash_emptied"]["entries"] == 41 and doc["trash_emptied"]["files"] == 41
+    assert not flat.exists() and not any(any(d.iterdir()) for d in trash.iterdir())
 
 
 def test_readers_record_last_use(
