@@ -323,6 +323,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"total {report['seconds']} s")
         if args.tmpfs:
             print("\n".join(_tmpfs_tables(report["suites"])))
+    return _exit_status(report)
+
+
+def _exit_status(report: dict[str, Any]) -> int:
+    """1 when a suite's own checks failed (writers, soak: ``"ok": false``), else 0."""
+    failed = [name for name, suite in report["suites"].items() if suite.get("ok") is False]
+    if failed:
+        print(f"FAILED checks in suite(s): {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -23,11 +23,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvstore.bench.lookup import ChainStore, measure_chain
+from kvstore.store.group_store import GroupStore
+from kvstore.store.types import BlockRead
 
 # (name, arguments after the program); "{root}" and "{ns}" are filled in.
 COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kvstore ls --json", ("kvstore.cli", "ls", "{root}", "--json")),
+    ("kvstore ls NS --json", ("kvstore.cli", "ls", "{root}", "{ns}", "--json")),
     ("kvstore du", ("kvstore.cli", "du", "{root}")),
     ("kvstore verify", ("kvstore.cli", "verify", "{root}")),
     ("kvstore gc --dry-run (evict ~10 %)", ("kvstore.cli", "gc", "{root}", "--dry-run", "--max-bytes", "{budget}")),
@@ -73,6 +78,20 @@ def run_command(argv: Sequence[str]) -> dict[str, Any]:
     }
 
 
+def read_rate(group: GroupStore, chain: Sequence[bytes], rounds: int = 3) -> float:
+    """Blocks per second reading ``chain`` in one batch (median of ``rounds``; verified)."""
+    out = np.empty((len(chain), group.layout.block_nbytes), dtype=np.uint8)
+    reads = [BlockRead(h, out[i]) for i, h in enumerate(chain)]
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        results = group.read_blocks(reads)
+        times.append(time.perf_counter() - start)
+        if not all(r.ok for r in results):
+            raise RuntimeError(f"scale: a stored chain block did not read back ({results[0]})")
+    return round(len(chain) / float(np.median(times)))
+
+
 def _store_bytes(root: Path) -> int:
     return sum(entry.stat().st_size for entry in root.rglob("*") if entry.is_file())
 
@@ -87,10 +106,12 @@ def run(base: Path, sizes: Sequence[int]) -> dict[str, Any]:
             assert built.group is not None and built.store is not None
             namespace = built.group.namespace
             budget = int(_store_bytes(built.root) * 0.9)
-            lookup = measure_chain(built.group, built.chains[min(built.chains)], rounds=5)
+            chain = built.chains[min(built.chains)]
+            lookup = measure_chain(built.group, chain, rounds=5)
             at_size: dict[str, Any] = {
                 "store_blocks": built.size,
                 "lookup_1k_ms": lookup["longest_prefix_ms"],
+                "read_blocks_per_s": read_rate(built.group, chain),
                 "commands": {},
             }
             for name, template in COMMANDS:
@@ -150,5 +171,17 @@ def table(result: dict[str, Any]) -> str:
     lines.append(
         "engine side: 1k-chain lookup "
         + ", ".join(f"{r['lookup_1k_ms']:.2f} ms at {r['store_blocks']:,}" for r in rows)
+    )
+    lines.append(
+        "engine side: 1k-chain read "
+        + ", ".join(
+            f"{r.get('read_blocks_per_s', 0) / 1e3:.1f}k blocks/s at {r['store_blocks']:,}"
+            for r in rows
+        )
+    )
+    big = rows[-1]
+    lines.append(
+        f"commands at {big['store_blocks']:,} blocks, k blocks/s: "
+        + ", ".join(f"{name} {c['blocks_per_s'] / 1e3:.0f}" for name, c in big["commands"].items())
     )
     return "\n".join(lines)

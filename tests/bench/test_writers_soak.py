@@ -138,3 +138,10 @@ def test_soak_check_tells_an_eviction_from_a_loss(tmp_path: Path) -> None:
         "1 acknowledged blocks missing and not among gc's victims",
         "1 keys readers missed that are not among gc's victims",
     ]
+
+
+def test_failed_checks_fail_the_bench_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """scripts/bench.py exits 1 when a suite's own checks failed, naming it on stderr."""
+    assert bench._exit_status({"suites": {"writers": {"ok": True}, "lookup": {}}}) == 0
+    assert bench._exit_status({"suites": {"writers": {"ok": True}, "soak": {"ok": False}}}) == 1
+    assert "soak" in capsys.readouterr().err
