@@ -56,6 +56,8 @@ from kvstore.bench.writers import (
 from kvstore.config import Durability
 from kvstore.io.buffers import aligned_buffer
 from kvstore.keys import hash_coords
+from kvstore.store.group_store import GroupStore
+from kvstore.store.page_store import KVStore
 from kvstore.store.types import BlockRead, BlockWrite, ReadStatus, WriteStatus
 
 RECENT = 2000  # readers draw half their keys from each writer's last RECENT acknowledged ones
@@ -69,6 +71,21 @@ def _tag(writer: int) -> str:
 
 
 # -- the child processes ---------------------------------------------------------------------
+
+
+def _open_or_report(
+    where: tuple[str, Durability, int], result: dict[str, Any], ready: Any, out: Any
+) -> tuple[KVStore, GroupStore] | None:
+    """The process's store and group (``where``: root, durability, I/O threads); None after
+    reporting why they could not be opened (the parent must hear from every process)."""
+    root, durability, threads = where
+    try:
+        return open_group(Path(root), durability, threads)
+    except Exception as exc:
+        result["errors"].append(f"open: {type(exc).__name__}: {exc}")
+        ready.set()
+        out.put(result)
+        return None
 
 
 def writer_process(  # noqa: PLR0913 - the store, the pace, and the shared signals and counter
@@ -85,13 +102,10 @@ def writer_process(  # noqa: PLR0913 - the store, the pace, and the shared signa
 ) -> None:
     """Write new blocks until ``stop``; ``acked.value`` = how many are acknowledged."""
     result: dict[str, Any] = {"role": "writer", "id": writer, "written": 0, "errors": []}
-    try:
-        store, group = open_group(Path(root), durability, threads)
-    except Exception as exc:
-        result["errors"].append(f"open: {type(exc).__name__}: {exc}")
-        ready.set()
-        out.put(result)
+    opened = _open_or_report((root, durability, threads), result, ready, out)
+    if opened is None:
         return
+    store, group = opened
     try:
         nbytes = group.layout.block_nbytes
         buffers = aligned_buffer(BATCH * nbytes)
@@ -144,13 +158,10 @@ def reader_process(  # noqa: PLR0913 - the store, the writers' counters and the 
         "role": "reader", "id": reader, "reads": 0, "hits": 0, "misses": 0,
         "wrong": 0, "failed": 0, "errors": [], "missed_keys": [],
     }  # fmt: skip
-    try:
-        store, group = open_group(Path(root), durability, threads)
-    except Exception as exc:
-        result["errors"].append(f"open: {type(exc).__name__}: {exc}")
-        ready.set()
-        out.put(result)
+    opened = _open_or_report((root, durability, threads), result, ready, out)
+    if opened is None:
         return
+    store, group = opened
     rng = random.Random(reader)
     missed: set[tuple[int, int]] = set()
     try:
