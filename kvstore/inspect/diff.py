@@ -7,6 +7,11 @@ both), per group, and per block (keyed by its file: the hash coordinates): block
 side, blocks damaged on either side, and blocks whose headers (hash, parent) or chunk bytes
 differ. The creation time in the header is not compared: the same block written twice
 differs only there.
+
+Stores of any size: the two sides are compared one fan-out directory at a time (a block's
+directory is fixed by its hash), so memory holds one directory's listing of each side, and each
+list of differences keeps its first :data:`kvstore.inspect.bounded.LISTED` entries in full and
+counts the rest (``*_count``).
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.inspect import bounded
 from kvstore.inspect.blockfile import check_block, quick_header
+from kvstore.inspect.bounded import BoundedList
 from kvstore.inspect.decode import Selection, raw_array, to_float
 from kvstore.store.full_check import BlockCheck
-from kvstore.store.paths import BlockFile
+from kvstore.store.paths import FANOUT, BlockFile
 from kvstore.store.view import GroupView, StoreView
 
 
@@ -107,27 +114,10 @@ def diff_stores(left: StoreView, right: StoreView) -> dict[str, Any]:
     namespaces = []
     for name in sorted(names_a & names_b):
         na, nb = left.namespace(name), right.namespace(name)
-        groups = []
-        for ga, gb in zip(na.groups, nb.groups, strict=True):  # same name => same identity
-            fa = {(f.hash_hi, f.hash_lo): f for f in ga.files()}
-            fb = {(f.hash_hi, f.hash_lo): f for f in gb.files()}
-            differing = []
-            for key in sorted(fa.keys() & fb.keys()):
-                doc = diff_block_files(ga, fa[key], gb, fb[key])
-                if block_differs(doc):
-                    doc["block"] = _hash_label(ga, fa[key])
-                    differing.append(doc)
-            groups.append(
-                {
-                    "group": ga.index,
-                    "left_blocks": len(fa),
-                    "right_blocks": len(fb),
-                    "common": len(fa.keys() & fb.keys()),
-                    "only_left": [_hash_label(ga, fa[k]) for k in sorted(fa.keys() - fb.keys())],
-                    "only_right": [_hash_label(gb, fb[k]) for k in sorted(fb.keys() - fa.keys())],
-                    "differing": differing,
-                }
-            )
+        groups = [
+            _diff_groups(ga, gb)
+            for ga, gb in zip(na.groups, nb.groups, strict=True)  # same name => same identity
+        ]
         namespaces.append({"name": name, "groups": groups})
     return {
         "left": str(left.root),
@@ -138,10 +128,45 @@ def diff_stores(left: StoreView, right: StoreView) -> dict[str, Any]:
     }
 
 
+def _diff_groups(ga: GroupView, gb: GroupView) -> dict[str, Any]:
+    """One group of both stores, fan-out directory by fan-out directory (module doc)."""
+    only_left: BoundedList[str] = BoundedList(bounded.LISTED)
+    only_right: BoundedList[str] = BoundedList(bounded.LISTED)
+    differing: BoundedList[dict[str, Any]] = BoundedList(bounded.LISTED)
+    left_blocks = right_blocks = common = 0
+    for hi in FANOUT:
+        fa = {f.hash_lo: f for f in ga.iter_files([hi])}
+        fb = {f.hash_lo: f for f in gb.iter_files([hi])}
+        left_blocks += len(fa)
+        right_blocks += len(fb)
+        for lo in sorted(fa.keys() & fb.keys()):
+            common += 1
+            doc = diff_block_files(ga, fa[lo], gb, fb[lo])
+            if block_differs(doc):
+                doc["block"] = _hash_label(ga, fa[lo])
+                differing.add(doc)
+        for lo in sorted(fa.keys() - fb.keys()):
+            only_left.add(_hash_label(ga, fa[lo]))
+        for lo in sorted(fb.keys() - fa.keys()):
+            only_right.add(_hash_label(gb, fb[lo]))
+    return {
+        "group": ga.index,
+        "left_blocks": left_blocks,
+        "right_blocks": right_blocks,
+        "common": common,
+        "only_left": only_left.items,
+        "only_left_count": only_left.total,
+        "only_right": only_right.items,
+        "only_right_count": only_right.total,
+        "differing": differing.items,
+        "differing_count": differing.total,
+    }
+
+
 def store_difference_count(doc: dict[str, Any]) -> int:
     """Number of differences found by :func:`diff_stores` (0 = identical contents)."""
     count = len(doc["only_left_namespaces"]) + len(doc["only_right_namespaces"])
     for ns in doc["namespaces"]:
         for g in ns["groups"]:
-            count += len(g["only_left"]) + len(g["only_right"]) + len(g["differing"])
+            count += g["only_left_count"] + g["only_right_count"] + g["differing_count"]
     return count

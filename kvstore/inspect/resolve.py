@@ -80,7 +80,9 @@ def find_block(group: GroupView, text: str) -> BlockRef:
     else:
         digits = "0123456789abcdef"
         fanouts = [int(value[:2], 16)] if len(value) >= 2 else [int(value + d, 16) for d in digits]
-        candidates = group.files(fanouts)
+        # Streamed: only the matching files are kept (a fan-out directory holds 390k
+        # entries at 10^8 blocks, a one-digit prefix spans 16 of them).
+        candidates = group.iter_files(fanouts)
     refs: list[BlockRef] = []
     for f in candidates:
         if not f.path_hex.startswith(value[:PATH_HEX_DIGITS]):

@@ -349,8 +349,8 @@ def store_diff_text(doc: dict[str, Any], limit: int) -> list[str]:
         for g in ns["groups"]:
             lines.append(
                 f"  {ns['name']}/g{g['group']}: {g['left_blocks']} vs {g['right_blocks']} blocks, "
-                f"{g['common']} common, {len(g['only_left'])} only left, "
-                f"{len(g['only_right'])} only right, {len(g['differing'])} differ"
+                f"{g['common']} common, {g['only_left_count']} only left, "
+                f"{g['only_right_count']} only right, {g['differing_count']} differ"
             )
             lines += [
                 f"    only {side}: {h}"

@@ -115,3 +115,28 @@ def test_store_diff_finds_missing_extra_changed_and_damaged(
     assert f"only left: {space.names['x1'].hex()}" in out
     assert f"differs: {c0.hex()}: chunks (h0,l1)" in out
     assert "namespace only on the right: other-000000000000" in out
+
+
+def test_store_diff_lists_are_bounded_and_counted(
+    reference: Reference, store_copy: Path, run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two stores that differ in many blocks: each list keeps its first LISTED entries, the
+    counts (and the exit code's difference count) cover them all."""
+    from kvstore.inspect import bounded  # noqa: PLC0415
+    from kvstore.inspect.diff import diff_stores, store_difference_count  # noqa: PLC0415
+
+    space = reference.bf16
+    group = find_namespace(StoreView.open(store_copy), space.ns).group(0)
+    gone = [name for name in ("x1", "s0", "s1") if name in space.names]
+    for name in gone:
+        group.path_of(space.names[name]).unlink()
+    monkeypatch.setattr(bounded, "LISTED", 1)
+    doc = diff_stores(StoreView.open(reference.root), StoreView.open(store_copy))
+    (ns,) = [n for n in doc["namespaces"] if n["name"] == space.ns]
+    (g0,) = ns["groups"]
+    assert len(g0["only_left"]) == 1 and g0["only_left_count"] == len(gone) >= 2
+    assert g0["only_left"][0] in {space.names[n].hex() for n in gone}
+    assert g0["left_blocks"] - g0["right_blocks"] == len(gone) == g0["left_blocks"] - g0["common"]
+    assert store_difference_count(doc) == len(gone)
+    code, out, _ = run("diff", reference.root, store_copy)
+    assert code == 1 and f"{len(gone)} only left" in out
