@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import string
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvstore.errors import InspectError
@@ -76,7 +77,7 @@ def find_block(group: GroupView, text: str) -> BlockRef:
     if full:
         # A full hash names one path: one lstat, whatever the size of its fan-out directory.
         found = group.file_of(bytes.fromhex(value))
-        candidates = [] if found is None else [found]
+        candidates: Iterable[BlockFile] = [] if found is None else [found]
     else:
         digits = "0123456789abcdef"
         fanouts = [int(value[:2], 16)] if len(value) >= 2 else [int(value + d, 16) for d in digits]
