@@ -123,6 +123,9 @@ def _layout(text: str) -> str:
     return str(ParallelLayout.parse(text)) if text else ""
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -150,6 +153,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KvstoreError, OSError, ValueError) as exc:
         print(f"kvstore: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Every change the tools make is one rename or unlink: a Ctrl-C between two leaves
+        # nothing half-done (gc's victims so far are in trash, the rest still published).
+        print(f"kvstore {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -481,3 +481,38 @@ def test_gc_argument_errors(
     assert "expected a size like 10G" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli(capsys, "gc", root, "--max-age", "soon")
+
+
+def test_ctrl_c_during_eviction_leaves_nothing_half_done(
+    root: Path,
+    make_store: StoreFactory,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C after some victims went: exit 130 with one line on stderr; every block is
+    either still published or whole in trash, no temporary file, verify clean."""
+    from kvstore.admin import eviction_pass  # noqa: PLC0415
+
+    group = make_store().namespace(make_small_identity()).group(0)
+    hashes = [block_hash(i) for i in range(10)]
+    paths = write(group, hashes)
+    age(paths)
+    real_take = eviction_pass.EvictionRun._take
+    taken = []
+
+    def take(run: eviction_pass.EvictionRun, *args: object) -> None:
+        if len(taken) == 3:
+            raise KeyboardInterrupt
+        taken.append(1)
+        real_take(run, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(eviction_pass.EvictionRun, "_take", take)
+    rc, out, err = cli(capsys, "gc", root, "--max-bytes", 0)
+    assert rc == 130 and out == "" and err.strip().endswith("kvstore gc: interrupted")
+    left = sum(present(paths))
+    trashed = [f for f in (root / group.namespace / "trash").rglob("*") if f.is_file()]
+    assert left == 7 and len(trashed) == 3
+    assert all(t.stat().st_size == group.layout.file_nbytes for t in trashed)  # whole
+    assert not list(root.rglob("*.tmp-*"))
+    monkeypatch.undo()
+    assert cli(capsys, "verify", root)[0] == 0
