@@ -461,6 +461,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KvstoreError, OSError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # read-only: nothing to undo, one line instead of a traceback
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
