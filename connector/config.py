@@ -64,6 +64,10 @@ class ConnectorConfig:
     # Scheduler: seconds a "not in the store" answer is trusted before it is probed again
     # (another server sharing the directory may have written the block since).
     miss_ttl_s: float = 5.0
+    # Scheduler: seconds an existence probe may take before its keys are answered "miss"
+    # (vLLM recomputes them) and the store counts as unresponsive: until a probe answers
+    # again, new lookups are misses at once and no new probe is started (docs/operating.md).
+    lookup_deadline_s: float = 2.0
     # Scheduler: keys remembered as present (LRU); older ones are simply probed again.
     index_capacity: int = 1_000_000
     # Worker: threads running store and load jobs (the file I/O itself uses store io_threads).
@@ -100,6 +104,11 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not _is_number(value) or not 0 <= value < math.inf:
                 raise ConfigError(f"{name}: expected a number of seconds >= 0, got {value!r}")
+        deadline = self.lookup_deadline_s
+        if not _is_number(deadline) or not 0 < deadline < math.inf:
+            raise ConfigError(
+                f"lookup_deadline_s: expected a number of seconds > 0, got {deadline!r}"
+            )
         if isinstance(self.kv_events_locality, str):  # "local" is as clear as "LOCAL"
             object.__setattr__(self, "kv_events_locality", self.kv_events_locality.upper())
         if self.kv_events_locality not in LOCALITIES:

@@ -9,6 +9,12 @@ return futures, which the scheduler thread applies at its next call).
   absent less than ``miss_ttl_s`` ago or being stored by another request, otherwise RETRY:
   the key joins a batched existence probe of the shared store (``probe_batch`` keys per task,
   ``probe_threads`` threads), flushed at the end of the step, and vLLM asks again next step.
+* **A hung store never stalls scheduling.** A probe not answered within ``lookup_deadline_s``
+  (a frozen NFS server, a wedged FUSE daemon) answers its keys MISS (vLLM recomputes them) and
+  starts an *unresponsive* episode: one warning, ``vllm:kvstore_store_unresponsive`` 1, every
+  new lookup a MISS at once and no new probe (the threads stuck in the file system are not
+  joined by more). The stuck probe itself tells when the store answers again: its results are
+  applied, the episode ends with one more line, and lookups probe as before.
 * ``prepare_load`` pins the keys, ``complete_load`` unpins them (the connector itself never
   evicts; ``kvstore gc`` runs outside the engine, and a block it removes during a load is a
   load error like any vanished file).
@@ -117,7 +123,10 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self._absent: dict[bytes, float] = {}  # key -> time the answer expires
         self._probing: set[bytes] = set()
         self._probe_queue: list[bytes] = []
-        self._probes: list[tuple[list[bytes], Future[list[tuple[bytes, bool]]]]] = []
+        # (keys, future, when submitted); past lookup_deadline_s a probe moves to _late
+        self._probes: list[tuple[list[bytes], Future[list[tuple[bytes, bool]]], float]] = []
+        self._late: list[tuple[list[bytes], Future[list[tuple[bytes, bool]]]]] = []
+        self._unresponsive_since: float | None = None
         self._pending: dict[bytes, PendingBlock] = {}  # prepared stores, not yet completed
         self._failed_stores: dict[bytes, str] = {}  # key -> cause, reported by a worker
         self._publishing: set[bytes] = set()
@@ -157,6 +166,9 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             if expires > self._now():
                 return self._answer(k, req_context, LookupResult.MISS)
             del self._absent[k]
+        if self._unresponsive_since is not None:  # a hung store: answer now, probe nothing
+            self.metrics.count(m.LOOKUP_TIMEOUTS)
+            return self._answer(k, req_context, LookupResult.MISS)
         if k not in self._probing:
             self._probing.add(k)
             self._probe_queue.append(k)
@@ -184,9 +196,21 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
 
     def _flush_probes(self) -> None:
         batch, self._probe_queue = self._probe_queue, []
+        if self._unresponsive_since is not None:  # queued before the store hung
+            self._answer_missing(batch)
+            return
+        now = self._now()
         for start in range(0, len(batch), self.options.probe_batch):
             chunk = batch[start : start + self.options.probe_batch]
-            self._probes.append((chunk, self._pool.submit(self._probe, chunk)))
+            self._probes.append((chunk, self._pool.submit(self._probe, chunk), now))
+
+    def _answer_missing(self, keys: Sequence[bytes]) -> None:
+        """Keys whose probe the store did not answer in time: misses for ``miss_ttl_s``."""
+        expires = self._now() + self.options.miss_ttl_s
+        for key in keys:
+            self._probing.discard(key)
+            self._absent[key] = expires
+        self.metrics.count(m.LOOKUP_TIMEOUTS, len(keys))
 
     def _probe(self, keys: Sequence[bytes]) -> list[tuple[bytes, bool]]:
         """(background) Which keys have a published block."""
@@ -384,11 +408,18 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
 
     def _drain(self) -> None:
         """Apply the results of finished background probes and publishes."""
+        self._drain_late()
         if self._probes:
             waiting = []
-            for keys, future in self._probes:
+            now = self._now()
+            for keys, future, started in self._probes:
                 if not future.done():
-                    waiting.append((keys, future))
+                    if now - started > self.options.lookup_deadline_s:
+                        self._answer_missing(keys)
+                        self._late.append((keys, future))
+                        self._became_unresponsive(now - started)
+                    else:
+                        waiting.append((keys, future, started))
                     continue
                 try:
                     results = future.result()
@@ -408,6 +439,39 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
                 if offered is not None:
                     self.metrics.observe(m.STORE_SECONDS, self._now() - offered)
             self._publishes = waiting_p
+
+    def _became_unresponsive(self, waited_s: float) -> None:
+        if self._unresponsive_since is not None:
+            return
+        self._unresponsive_since = self._now() - waited_s
+        log.warning(
+            "kvstore: the store at %s did not answer an existence probe within %.1f s "
+            "(lookup_deadline_s); lookups answer miss (recompute) until it answers again",
+            self.store.root,
+            self.options.lookup_deadline_s,
+        )
+
+    def _drain_late(self) -> None:
+        """Apply late probes that finished; the first answer ends an unresponsive episode."""
+        if not self._late:
+            return
+        answered = [(keys, f) for keys, f in self._late if f.done()]
+        if not answered:
+            return
+        self._late = [(keys, f) for keys, f in self._late if not f.done()]
+        for _keys, future in answered:
+            if future.exception() is None:
+                self._apply_probe(future.result())
+        if self._unresponsive_since is not None:
+            hung = self._now() - self._unresponsive_since
+            self._unresponsive_since = None
+            self.metrics.count(m.UNRESPONSIVE_SECONDS, hung)
+            log.warning(
+                "kvstore: the store at %s answered again after %.1f s unresponsive; lookups "
+                "probe it again",
+                self.store.root,
+                hung,
+            )
 
     def _apply_publish(self, results: _Published) -> None:
         written: list[bytes] = []
@@ -510,7 +574,8 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self.metrics.gauge(m.WRITE_BACKOFF, backoff)
         self.metrics.gauge(m.PENDING_STORE_BYTES, self._pending_bytes)
         self.metrics.gauge(m.PENDING_STORE_BLOCKS, len(self._pending) + len(self._publishing))
-        self.metrics.gauge(m.PENDING_JOBS, len(self._probes), m.PROBE)
+        self.metrics.gauge(m.PENDING_JOBS, len(self._probes) + len(self._late), m.PROBE)
+        self.metrics.gauge(m.UNRESPONSIVE, 0 if self._unresponsive_since is None else 1)
         self.metrics.gauge(m.PENDING_JOBS, len(self._publishes), m.PUBLISH)
         stats = OffloadingConnectorStats()
         return stats if self.metrics.take(stats) else None
@@ -534,7 +599,8 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
     def drain(self, timeout: float | None = None) -> None:
         """Wait for every queued probe and publish and apply them (tests, shutdown)."""
         self._flush_probes()
-        futures: list[Future[Any]] = [f for _, f in self._probes]
+        futures: list[Future[Any]] = [f for _, f, _ in self._probes]
+        futures.extend(f for _, f in self._late)
         futures.extend(f for f, _ in self._publishes)
         wait_futures(futures, timeout=timeout)
         self._drain()

@@ -52,6 +52,9 @@ WRITE_BACKOFF = PREFIX + "write_backoff"
 PENDING_STORE_BYTES = PREFIX + "pending_store_bytes"
 PENDING_STORE_BLOCKS = PREFIX + "pending_store_blocks"
 PENDING_JOBS = PREFIX + "pending_jobs"
+LOOKUP_TIMEOUTS = PREFIX + "lookup_timeout_blocks"
+UNRESPONSIVE = PREFIX + "store_unresponsive"
+UNRESPONSIVE_SECONDS = PREFIX + "store_unresponsive_seconds"
 
 # Label values. Lookups: result. Failures: op and cause. Skipped / dropped stores: reason.
 HIT, MISS = "hit", "miss"
@@ -132,6 +135,16 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "Background jobs of the scheduler in flight, by kind (probe: existence checks; "
             "publish: block publishes).",
             ("kind",),
+        ),
+        LOOKUP_TIMEOUTS: counter(
+            "Blocks answered miss because the store did not answer within lookup_deadline_s "
+            "(probed too long, or looked up while the store was unresponsive)."
+        ),
+        UNRESPONSIVE: gauge(
+            "1 while an existence probe is past lookup_deadline_s (the store is hung), else 0."
+        ),
+        UNRESPONSIVE_SECONDS: counter(
+            "Seconds the store was unresponsive, counted when it answers again."
         ),
     }
 
