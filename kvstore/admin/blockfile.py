@@ -66,7 +66,7 @@ def judge_block_file(
     """:func:`check_block_file` for an array's ``spec``, with the identity (st_dev, st_ino)
     of the file judged (None when it was not a regular file): a fix moves that file only,
     never whatever holds the name by the time it runs."""
-    result, _ = full_check.check_file(path, spec, coords=(hi, lo))
+    result, _ = full_check.check_file(path, spec, coords=(hi, lo), chunk_states=False)
     if result.error is not None and not isinstance(result.error, EntryKindError):
         raise result.error
     return result.fault, result.identity

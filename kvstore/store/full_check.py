@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.checksum import Checksum, checksum_function
+from kvstore.checksum import Checksum, checksum_function, strided_chunk_sums
 from kvstore.errors import CorruptBlockError, EntryKindError, StoreFormatError
 from kvstore.io.entries import FileId, describe_os_error, file_id
 from kvstore.io.native_fileio import DEFAULT_FILEIO
@@ -56,6 +56,11 @@ class Fault:
 
     kind: str  # TRUNCATED, OVERSIZED, CORRUPT, MIS_KEYED, MISPLACED or UNREADABLE
     detail: str
+
+
+# chunk_states=False batches the checksums from this many inner chunks on: below it a block's
+# records cost less than the batch's setup (a 1-chunk block: 27 against 33 us).
+_BATCH_FROM_CHUNKS = 16
 
 
 class ChunkState(enum.Enum):
@@ -148,6 +153,7 @@ def check_file(  # noqa: PLR0912, PLR0913, PLR0915 - the one block check: every 
     expect_hash: bytes | None = None,
     chunks: Sequence[int] | None = None,
     want_data: bool = False,
+    chunk_states: bool = True,
 ) -> tuple[BlockCheck, np.ndarray | None]:
     """Check the block file at ``path`` of the array ``spec``; optionally return chunk bytes.
 
@@ -157,6 +163,12 @@ def check_file(  # noqa: PLR0912, PLR0913, PLR0915 - the one block check: every 
     padding check). With ``want_data`` the second item holds the chunks' raw bytes back to
     back (uint8, ``len(chunks) * chunk_nbytes``; bytes past the end of a short file are zero;
     compressed chunks only where they verify and decode), else None.
+
+    ``chunk_states=False`` (a verdict is all the caller wants: ``kvstore verify``): when every
+    inner chunk's checksum matches its slot, :attr:`BlockCheck.chunks` is empty instead of one
+    record per chunk and the checksums are computed in one batch (the per-chunk records were
+    half the cost of a 256-chunk block); any other outcome is the full check's, record for
+    record. :attr:`BlockCheck.fault` is the same either way (tested against every damage).
 
     Never raises for a damaged or unreadable file; ``ValueError`` for chunk numbers out of
     range (a caller error).
@@ -203,7 +215,19 @@ def check_file(  # noqa: PLR0912, PLR0913, PLR0915 - the one block check: every 
     late: list[Fault] = []
     states: list[ChunkCheck] = []
     size_c = layout.chunk_nbytes
-    for i, c in enumerate(wanted):
+    all_ok = (
+        not chunk_states
+        and layout.num_chunks >= _BATCH_FROM_CHUNKS
+        and chunks is None
+        and data is None
+        and spec.codec is None
+        and checksum is not None
+        and slots is not None
+        and header is not None
+        and len(view) >= layout.chunk_offset(layout.num_chunks - 1) + size_c
+        and _all_sums_match(header.checksum_algo, view, layout, slots)
+    )
+    for i, c in enumerate(() if all_ok else wanted):
         chunk_bytes = stored[c] if stored is not None else None
         if spec.codec is None and data is not None and chunk_bytes is not None:
             data[i * size_c : i * size_c + len(chunk_bytes)] = np.frombuffer(chunk_bytes, np.uint8)
@@ -378,6 +402,21 @@ def _decode_chunk(
     return None
 
 
+def _all_sums_match(algo_id: int, view: memoryview, layout: ShardLayout, slots: np.ndarray) -> bool:
+    """Whether every inner chunk of a whole raw block has its slot's checksum (none empty):
+    one batch over the chunks at their stride."""
+    sums = strided_chunk_sums(
+        algo_id,
+        view,
+        [layout.chunk_offset(0)],
+        layout.chunk_stride,
+        layout.num_chunks,
+        layout.chunk_nbytes,
+    )
+    stored = np.asarray(slots, dtype=np.uint64)
+    return bool(stored.all() and np.array_equal(sums, stored))
+
+
 def _padding_is_zero(view: memoryview, layout: ShardLayout, *, compressed: bool) -> bool:
     """Bytes no reader looks at are zero, as written: the header's reserved u32 and its tail
     after the checksum slots, and (raw blocks) each chunk's stride padding."""
@@ -388,7 +427,12 @@ def _padding_is_zero(view: memoryview, layout: ShardLayout, *, compressed: bool)
         return False
     if compressed or layout.dense:
         return True
-    for c in range(layout.num_chunks):
+    first, stride, n = layout.chunk_offset(0), layout.chunk_stride, layout.num_chunks
+    if len(raw) >= first + n * stride:
+        # Whole: the chunks' stride padding as one 2-D view, checked at once.
+        strided = raw[first : first + n * stride].reshape(n, stride)
+        return not strided[:, layout.chunk_nbytes :].any()
+    for c in range(n):
         start = layout.chunk_offset(c) + layout.chunk_nbytes
         if raw[start : layout.chunk_offset(c) + layout.chunk_stride].any():
             return False
