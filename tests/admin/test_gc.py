@@ -516,3 +516,28 @@ def test_ctrl_c_during_eviction_leaves_nothing_half_done(
     assert not list(root.rglob("*.tmp-*"))
     monkeypatch.undo()
     assert cli(capsys, "verify", root)[0] == 0
+
+
+def test_a_trash_bucket_that_is_a_link_is_never_entered(
+    root: Path, make_store: StoreFactory, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """trash/<hi> planted as a link to a directory outside the store: the victim is not moved
+    through it (deleted directly, reported), the outside is untouched, and the link itself is
+    what a later pass removes once expired (never followed)."""
+    ident = make_small_identity()
+    group = make_store().namespace(ident).group(0)
+    paths = write(group, [block_hash(1)])
+    age(paths)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"k")
+    trash = root / ident.namespace / "trash"
+    trash.mkdir()
+    bucket = trash / Path(paths[0]).parent.name
+    bucket.symlink_to(outside)
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 0)
+    assert doc["evicted"]["blocks"] == 1 and not os.path.exists(paths[0])
+    assert rc == 1 and [f["kind"] for f in doc["findings"]] == ["trash-unusable"]
+    assert sorted(p.name for p in outside.iterdir()) == ["keep"]
+    rc, doc = cli_json(capsys, "gc", root, "--max-bytes", 0, "--grace", "0")
+    assert not bucket.is_symlink() and (outside / "keep").exists()
