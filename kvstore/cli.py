@@ -20,7 +20,7 @@ from kvstore import checksum
 from kvstore.admin import commands as admin_commands
 from kvstore.cli_args import OneLineParser, positive_int, store_root
 from kvstore.errors import KvstoreError
-from kvstore.io import fileproto
+from kvstore.io import fileproto, stall
 from kvstore.layout.parallel import ParallelLayout
 from kvstore.models import model_names
 from kvstore.native import native_report
@@ -149,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return demo.run(spec, args.json)
         if args.command in admin_commands.COMMANDS:
-            return admin_commands.dispatch(args)
+            with stall.watching(f"kvstore {args.command}", args.root):  # a hung mount: exit
+                return admin_commands.dispatch(args)
     except (KvstoreError, OSError, ValueError) as exc:
         print(f"kvstore: error: {exc}", file=sys.stderr)
         return 2

@@ -93,6 +93,7 @@ from kvstore.admin.trash import (
 )
 from kvstore.admin.verify import DEFAULT_TMP_AGE_S
 from kvstore.errors import ConfigError, KvstoreError
+from kvstore.io import stall
 from kvstore.io.entries import describe_kind
 from kvstore.store.paths import TRASH
 from kvstore.store.view import StoreView
@@ -123,6 +124,7 @@ def _remove_for_real(store: StoreView, findings: list[dict[str, str]]) -> EvictF
     def remove(block: Block) -> Evicted | int:
         try:
             st = os.lstat(block.path)
+            stall.beat()
         except FileNotFoundError:
             return Evicted.GONE
         if not stat.S_ISREG(st.st_mode):
@@ -502,7 +504,8 @@ def watch(  # noqa: PLR0913 - root, policy and the watch loop's keyword-only con
                 on_pass(doc, passes)
             if max_passes is not None and passes >= max_passes:
                 break
-            stop.wait(interval_s)
+            with stall.paused():  # waiting for the next pass is not the mount hanging
+                stop.wait(interval_s)
     return 0
 
 

@@ -11,6 +11,8 @@ from types import TracebackType
 
 from tqdm import tqdm
 
+from kvstore.io import stall
+
 
 class Progress:
     """A progress bar (or nothing); ``update(n)`` advances it. Use as a context manager.
@@ -38,6 +40,7 @@ class Progress:
         )
 
     def update(self, n: int = 1) -> None:
+        stall.beat()  # progress is the mount answering
         if self._bar is not None:
             self._bar.update(n)
 

@@ -25,6 +25,7 @@ from kvstore.admin.scan import HeldFile, open_root, scan_store, tree_usage
 from kvstore.admin.sizes import format_size
 from kvstore.admin.trash import DEFAULT_GRACE_S, delete_held, expired, remove_namespace_dir
 from kvstore.errors import KvstoreError
+from kvstore.io import stall
 
 
 def remove_namespace(
@@ -72,7 +73,8 @@ def confirm(name: str, nbytes: int) -> bool:
         raise KvstoreError(f"rm {name}: expected --yes (stdin is not a terminal), got no --yes")
     sys.stderr.write(f"remove namespace {name} ({format_size(nbytes)})? type its name to confirm: ")
     sys.stderr.flush()
-    return sys.stdin.readline().strip() == name
+    with stall.paused():  # a person thinking is not the mount hanging
+        return sys.stdin.readline().strip() == name
 
 
 def run(root: Path, name: str, *, yes: bool, grace_s: float, now: bool, as_json: bool) -> int:  # noqa: PLR0913 - keyword-only flags of the `kvstore rm` command, one per CLI option

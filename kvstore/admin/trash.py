@@ -49,6 +49,7 @@ from pathlib import Path
 
 from kvstore.admin.scan import HeldFile
 from kvstore.errors import KvstoreError
+from kvstore.io import stall
 from kvstore.io.entries import FileId, kind_noun, move_if_same
 from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.store.paths import QUARANTINE, REMOVED_PREFIX, TRASH
@@ -132,6 +133,7 @@ def delete_held(entries: Iterable[HeldFile], *, dry_run: bool = False) -> Emptie
             except OSError as exc:
                 failed.append(f"{entry.path}: cannot delete ({exc.strerror or exc})")
                 continue
+        stall.beat()
         count += 1
         files += entry.files
         nbytes += entry.size

@@ -47,6 +47,7 @@ from kvstore.inspect.render import dumps, spans
 from kvstore.inspect.resolve import BlockRef, find_block, find_namespace, parse_range
 from kvstore.inspect.stats import METRICS, StatRow, attention_stats, mla_stats
 from kvstore.inspect.values import BlockValues, format_values, load_values
+from kvstore.io import stall
 from kvstore.store.view import GroupView, NamespaceView, StoreView
 
 PROG = "kvstore-inspect"
@@ -453,7 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
-        return COMMANDS[args.command](args)
+        with stall.watching(f"{PROG} {args.command}", getattr(args, "root", "the store")):
+            return COMMANDS[args.command](args)
     except BrokenPipeError:  # output piped into `head` and closed: stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

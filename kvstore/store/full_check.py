@@ -32,6 +32,7 @@ import numpy as np
 
 from kvstore.checksum import Checksum, checksum_function, strided_chunk_sums
 from kvstore.errors import CorruptBlockError, EntryKindError, StoreFormatError
+from kvstore.io import stall
 from kvstore.io.entries import FileId, describe_os_error, file_id
 from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.io.vectored import read_fully
@@ -323,6 +324,7 @@ def read_header(path: str | Path) -> tuple[BlockHeader, int]:
         raw = os.pread(fd, fmt.HEADER_FIXED_NBYTES, 0)
     finally:
         DEFAULT_FILEIO.close(fd)
+    stall.beat()
     return fmt.decode_header(raw), st.st_size
 
 
@@ -353,6 +355,7 @@ def _read_bounded(path: str, limit: int) -> tuple[os.stat_result, bytearray]:
         got = read_fully(DEFAULT_FILEIO, fd, [buf], 0)
     finally:
         DEFAULT_FILEIO.close(fd)
+    stall.beat()
     return st, buf[:got] if got < len(buf) else buf
 
 

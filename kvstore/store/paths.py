@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import EntryKindError
+from kvstore.io import stall
 from kvstore.io.entries import describe_kind, describe_os_error, open_dir_nofollow
 from kvstore.keys import HASH_HI_FANOUT, HASH_LO_BITS, hash_coords
 
@@ -367,6 +368,7 @@ def _entries(fd: int) -> Iterator[tuple[str, os.stat_result]]:
                     st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                stall.beat()  # the mount answers (the tools' hung-mount watchdog)
                 yield entry.name, st
     finally:
         os.close(fd)
