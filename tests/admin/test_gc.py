@@ -498,7 +498,7 @@ def test_ctrl_c_during_eviction_leaves_nothing_half_done(
     paths = write(group, hashes)
     age(paths)
     real_take = eviction_pass.EvictionRun._take
-    taken = []
+    taken: list[int] = []
 
     def take(run: eviction_pass.EvictionRun, *args: object) -> None:
         if len(taken) == 3:

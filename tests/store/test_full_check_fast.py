@@ -18,7 +18,6 @@ from kvstore.identity import Identity
 from kvstore.store import full_check
 from kvstore.store.check import ShardSpec
 from kvstore.store.codec import Codec
-from kvstore.store.paths import parse_lo
 from kvstore.store.types import BlockWrite, WriteStatus
 from tests.helpers import (
     StoreFactory,
@@ -41,7 +40,7 @@ def _one_block(root: Path, make_store: StoreFactory, identity: Identity) -> tupl
 
 
 def _verdicts(path: Path, spec: ShardSpec) -> tuple[object, object]:
-    coords = (int(path.parent.name), parse_lo(path.name))
+    coords = (int(path.parent.name), int(path.name))
     full, _ = full_check.check_file(path, spec, coords=coords)
     fast, _ = full_check.check_file(path, spec, coords=coords, chunk_states=False)
     assert fast.faults == full.faults and fast.content_faults == full.content_faults
@@ -66,7 +65,7 @@ def test_the_fast_verdict_is_the_full_one_for_every_damage(
     good = path.read_bytes()
     fast, full = _verdicts(path, spec)
     assert fast is None and full is None
-    coords = (int(path.parent.name), parse_lo(path.name))
+    coords = (int(path.parent.name), int(path.name))
     intact, _ = full_check.check_file(path, spec, coords=coords, chunk_states=False)
     # No per-chunk records when every checksum matched in one batch.
     assert (intact.chunks == ()) is (batch_from == 1)
