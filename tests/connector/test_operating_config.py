@@ -73,6 +73,9 @@ def test_the_spec_declares_every_series_and_info_label() -> None:
         m.PENDING_STORE_BYTES,
         m.PENDING_STORE_BLOCKS,
         m.PENDING_JOBS,
+        m.LOOKUP_TIMEOUTS,
+        m.UNRESPONSIVE,
+        m.UNRESPONSIVE_SECONDS,
     }
     assert KVStoreSpec.config_info_keys(BASE) == m.CONFIG_INFO_KEYS
 
