@@ -27,6 +27,7 @@ from kvstore.errors import (
     LayoutError,
     StoreFormatError,
     StoreIOError,
+    StoreTimeoutError,
 )
 from kvstore.identity import GroupSpec, Identity
 from kvstore.models import ModelGeometry, load_model, model_names
@@ -107,6 +108,7 @@ __all__ = [
     "StoreConfig",
     "StoreFormatError",
     "StoreIOError",
+    "StoreTimeoutError",
     "WriteResult",
     "WriteStatus",
     "__version__",

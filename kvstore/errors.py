@@ -11,6 +11,8 @@ them in one place.
 
 from __future__ import annotations
 
+import errno
+
 
 class KvstoreError(Exception):
     """Base class of every error kvstore raises."""
@@ -56,6 +58,19 @@ class CorruptBlockError(BlockError):
 
 class StoreIOError(KvstoreError, OSError):
     """An operating-system I/O call failed; carries the errno of the failing call."""
+
+
+class StoreTimeoutError(StoreIOError):
+    """A store call was not answered within its deadline (the file system is slow or hung).
+
+    The call itself may still be blocked in the kernel; whatever it was to deliver is dropped
+    (:class:`kvstore.io.deadline.DeliveryGate`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ETIMEDOUT, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class EntryKindError(StoreIOError):

@@ -35,6 +35,7 @@ import torch
 
 from kvstore.errors import LayoutError
 from kvstore.identity import Identity
+from kvstore.io.deadline import DeliveryGate
 from kvstore.io.device import DONE, Event
 from kvstore.io.staging import Staged
 from kvstore.keys import writer_election_key
@@ -241,15 +242,23 @@ class RankIO:
         local_tensors: Sequence[torch.Tensor],
         block_hashes: Sequence[bytes],
         block_ids: Sequence[int],
+        gate: DeliveryGate | None = None,
     ) -> list[ReadResult]:
         """Read the blocks' chunks this rank holds and scatter the hits into its tensors.
 
         Misses and corrupt blocks leave the rank's tensors for those blocks untouched; the
         results say which (a load error for the engine, which then recomputes).
+
+        ``gate``: the caller may stop waiting (a load past its deadline). The reads go into
+        staging rows of the store's own; the scatter into ``local_tensors`` happens only once
+        the gate is claimed. A gate abandoned first - before the reads, or while they hung -
+        leaves the tensors untouched and every block an ERROR (timed out).
         """
         if len(block_hashes) != len(block_ids):
             raise LayoutError(f"load: {len(block_hashes)} hashes but {len(block_ids)} block ids")
         n = len(block_hashes)
+        if gate is not None and gate.abandoned:
+            return _timed_out(n)
         if self.mapping.share_bytes == 0:  # a stage holding none of this group's layers
             present = self.group.contains(block_hashes)
             return [ReadResult(ReadStatus.HIT if p else ReadStatus.MISS) for p in present]
@@ -272,8 +281,20 @@ class RankIO:
                 scatter_blocks(self.mapping, share, local_tensors, ids)
 
             hit_rows = chunk_buf[hits] if len(hits) < n else chunk_buf
-            staging.deliver(hit_rows, consume, device)
+            if gate is not None and not gate.claim():
+                return _timed_out(n)
+            try:
+                staging.deliver(hit_rows, consume, device)
+            finally:
+                if gate is not None:
+                    gate.release()
         return results
+
+
+def _timed_out(n: int) -> list[ReadResult]:
+    """The results of a load whose caller gave up before its bytes were delivered."""
+    error = "not delivered: the load passed its deadline"
+    return [ReadResult(ReadStatus.ERROR, error) for _ in range(n)]
 
 
 def _share_class(mapping: RankMapping) -> tuple[int, tuple[int, ...], int]:

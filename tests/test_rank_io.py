@@ -8,6 +8,7 @@ multi-writer pending files, commit, verified chunk reads.
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,12 @@ import torch
 
 from kvstore import KVStore, StoreConfig
 from kvstore.identity import GroupSpec, Identity
+from kvstore.io.deadline import DeliveryGate
 from kvstore.layout import GroupGeometry, LocalForm, ParallelLayout, RankCoord, map_rank
 from kvstore.layout.parallel import Family
 from kvstore.rank_io import RankIO, group_geometry
 from kvstore.store.group_store import GroupStore
-from kvstore.store.types import BlockRead, PendingBlock, ReadStatus, WriteStatus
+from kvstore.store.types import BlockRead, PendingBlock, ReadResult, ReadStatus, WriteStatus
 
 from .layout.layout_reference import (
     _expected_pages,
@@ -265,3 +267,60 @@ def test_ranks_as_processes(tmp_path: Path) -> None:
         results = group.commit_blocks(pendings)
         assert all(r.status is WriteStatus.WRITTEN for r in results), results
         read_with_layout(group, geometry, ParallelLayout(tp=4), LocalForm(), kv, hashes)
+
+
+def test_a_load_abandoned_while_its_reads_hang_never_touches_the_rank_tensors(
+    tmp_path: Path,
+) -> None:
+    """The caller gives up (the load passed its deadline) while the read is blocked in the
+    file system; when the read returns, the rank's tensors stay as they were and every block
+    is an ERROR. A gate abandoned before the load starts reads nothing."""
+    identity = _identity("full", 4, 2, 16)
+    geometry = group_geometry(identity, 0, range(2), 2)
+    kv = full_kv(geometry, 2, seed=6)
+    hashes = _hashes(2, salt=2)
+    with KVStore(StoreConfig(root=tmp_path, durability="none")) as store:
+        group = store.namespace(identity).group(0)
+        write_with_layout(group, geometry, ParallelLayout(tp=1), LocalForm(), kv, hashes)
+        mapping = map_rank(geometry, ParallelLayout(tp=1), LocalForm(), RankCoord(0))
+        rank = RankIO(group, mapping)
+        pages = torch.zeros(2, 2, 4, 16, 64, dtype=torch.int16)
+        cache = build_cache(pages, LocalForm(), NUM_BLOCKS, torch.arange(2), 1)
+        before = [t.clone() for t in cache.tensors]
+
+        entered, thaw = threading.Event(), threading.Event()
+        real_read = group.read_blocks
+
+        def frozen_read(reads: list[BlockRead]) -> list[ReadResult]:
+            entered.set()
+            assert thaw.wait(30)
+            return real_read(reads)
+
+        group.read_blocks = frozen_read  # type: ignore[method-assign]
+        gate = DeliveryGate()
+        results: list[list[ReadResult]] = []
+        loader = threading.Thread(
+            target=lambda: results.append(rank.load(cache.tensors, hashes, [0, 1], gate))
+        )
+        loader.start()
+        assert entered.wait(10)
+        assert gate.abandon()  # the deadline passed while the read hung
+        thaw.set()
+        loader.join(10)
+        assert not loader.is_alive()
+        assert [r.status for r in results[0]] == [ReadStatus.ERROR, ReadStatus.ERROR]
+        assert "deadline" in results[0][0].error
+        assert all(torch.equal(a, b) for a, b in zip(cache.tensors, before, strict=True))
+
+        # Abandoned before it starts: no read at all.
+        entered.clear()
+        late = rank.load(cache.tensors, hashes, [0, 1], gate)
+        assert not entered.is_set()
+        assert [r.status for r in late] == [ReadStatus.ERROR, ReadStatus.ERROR]
+
+        # Control: the same load with an open gate delivers and closes the gate.
+        group.read_blocks = real_read  # type: ignore[method-assign]
+        open_gate = DeliveryGate()
+        assert all(r.ok for r in rank.load(cache.tensors, hashes, [0, 1], open_gate))
+        assert not all(torch.equal(a, b) for a, b in zip(cache.tensors, before, strict=True))
+        assert not open_gate.abandon()
