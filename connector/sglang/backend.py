@@ -16,6 +16,11 @@ Every pool is a namespace of canonical blocks (:mod:`connector.sglang.pool_store
 moves only its heads and layers of each block, so pages written at one TP size are read at
 another. No call raises into SGLang's threads: failures are misses or failed sets, counted
 (:meth:`get_stats`) and logged once per episode.
+
+No call waits on the file system past its deadline (``lookup_deadline_s``, ``load_deadline_s``,
+``store_deadline_s``; :mod:`connector.sglang.deadlines`): the store's I/O runs on the
+backend's own threads; what it has not answered in time is a miss or a failed set, and while
+the store is unresponsive calls fail at once but for one trial per ``unresponsive_retry_s``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from connector.sglang.config import SGLangBackendConfig
+from connector.sglang.deadlines import Call, Kind, StoreCalls
 from connector.sglang.pages import PoolPages, flat_page_buffers
 from connector.sglang.pool_store import PoolStore, block_hash
 from connector.sglang.share import model_name
@@ -46,6 +52,8 @@ logger = logging.getLogger("kvstore.sglang")
 
 KV_POOL = "kv"
 T = TypeVar("T")
+Found = TypeVar("Found", int, PoolTransferResult)  # what a lookup answers
+_NO_IDS = torch.zeros(0, dtype=torch.int64)  # the generic calls' pages are views, not pool ids
 
 
 class KVStoreHiCacheStorage(HiCacheStorage):
@@ -58,6 +66,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.model = model_name(storage_config, self.config.model_name)
         self.store = open_store(self.config.store)
         self.stats = BackendStats()
+        self._calls = StoreCalls(self.config, str(self.store.root), self.stats)
         self._log = EpisodeLog()
         self._pools: dict[str, PoolStore | None] = {}
         self._pool_objects: dict[str, Any] = {}
@@ -143,15 +152,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """Keys published from the start (SGLang then reads that many pages)."""
-        return self._guard("lookup", 0, lambda: self._leading(KV_POOL, keys))
-
-    def _leading(self, name: str, keys: Sequence[str]) -> int:
-        pool = self._pool(name)
-        if pool is None or not keys:
-            return 0
-        count = pool.leading([block_hash(k) for k in keys])
-        self.stats.add(lookups=len(keys), lookup_hits=count)
-        return count
+        return self._guard("lookup", 0, lambda: self._lookup(keys, self._kv_leading, 0))
 
     def batch_exists_v2(
         self,
@@ -162,10 +163,29 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """The usable prefix: the KV pages found from the start, cut by every other pool's
         hit policy (all pages, or the trailing pages each prefix needs)."""
         empty = PoolTransferResult(0, {}, [])
-        return self._guard("lookup", empty, lambda: self._exists_v2(keys, pool_transfers or []))
+        transfers = pool_transfers or []
+        return self._guard(
+            "lookup", empty, lambda: self._lookup(keys, partial(self._exists_v2, transfers), empty)
+        )
 
-    def _exists_v2(self, keys: list[str], transfers: list[PoolTransfer]) -> PoolTransferResult:
-        kv_pages = self._leading(KV_POOL, keys)
+    def _lookup(self, keys: list[str], find: Callable[[list[str]], Found], missed: Found) -> Found:
+        """``find(keys)`` (the lookup's store calls) on the backend's threads within
+        ``lookup_deadline_s``; ``missed`` when the store did not answer in time."""
+        if not keys or self._pool(KV_POOL) is None:
+            return missed
+        found = self._calls.begin("lookup").run(partial(find, keys))
+        if found is None:
+            self.stats.add(lookups=len(keys), lookup_timeouts=len(keys))
+            return missed
+        self.stats.add(lookups=len(keys), lookup_hits=_kv_hits(found))
+        return found
+
+    def _kv_leading(self, keys: Sequence[str]) -> int:
+        pool = self._pool(KV_POOL)
+        return 0 if pool is None else pool.leading([block_hash(k) for k in keys])
+
+    def _exists_v2(self, transfers: list[PoolTransfer], keys: list[str]) -> PoolTransferResult:
+        kv_pages = self._kv_leading(keys)
         hits: dict[str, int] = {KV_POOL: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
         for transfer in transfers:
@@ -202,9 +222,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        return self._guard(
-            "read", [False] * len(keys), lambda: self._get_indices(KV_POOL, keys, host_indices)
-        )
+        transfer = PoolTransfer(name=KV_POOL, keys=keys, host_indices=host_indices)
+        return self.batch_get_v2([transfer], extra_info)[KV_POOL]
 
     def batch_set_v1(
         self,
@@ -212,35 +231,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        return self._guard(
-            "write",
-            [False] * len(keys),
-            lambda: self._set_indices(KV_POOL, keys, host_indices, extra_info),
-        )
-
-    def _get_indices(
-        self, name: str, keys: Sequence[str], host_indices: torch.Tensor
-    ) -> list[bool]:
-        pool = self._pool(name)
-        if pool is None or not keys:
-            self.stats.add(misses=len(keys))
-            return [False] * len(keys)
-        ids = pool.pages.page_ids(host_indices, len(keys))
-        return pool.read([block_hash(k) for k in keys], ids, self.stats)
-
-    def _set_indices(
-        self,
-        name: str,
-        keys: Sequence[str],
-        host_indices: torch.Tensor,
-        extra_info: HiCacheStorageExtraInfo | None,
-    ) -> list[bool]:
-        pool = self._pool(name)
-        if pool is None or not keys:
-            return [False] * len(keys)
-        ids = pool.pages.page_ids(host_indices, len(keys))
-        hashes = [block_hash(k) for k in keys]
-        return pool.write_pages(hashes, _parents(hashes, extra_info), ids, self.stats)
+        transfer = PoolTransfer(name=KV_POOL, keys=keys, host_indices=host_indices)
+        return self.batch_set_v2([transfer], extra_info)[KV_POOL]
 
     # -- v2: per-pool transfers ----------------------------------------------------------------
 
@@ -249,11 +241,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         transfers: list[PoolTransfer],
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
+        """Each transfer's pages read into its pool; one deadline for them all."""
+        call = self._transfers_call("load", transfers)
         out: dict[str, list[bool]] = {}
         for t in transfers:
             name, keys, indices = _pool_name(t.name), list(t.keys or ()), t.host_indices
             out[name] = self._guard(
-                "read", [False] * len(keys), partial(self._get_indices, name, keys, indices)
+                "read", [False] * len(keys), partial(self._get_indices, call, name, keys, indices)
             )
         return out
 
@@ -262,15 +256,65 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         transfers: list[PoolTransfer],
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
+        """Each transfer's pages stored from its pool; one deadline for them all."""
+        call = self._transfers_call("store", transfers)
         out: dict[str, list[bool]] = {}
         for t in transfers:
             name, keys, indices = _pool_name(t.name), list(t.keys or ()), t.host_indices
             out[name] = self._guard(
                 "write",
                 [False] * len(keys),
-                partial(self._set_indices, name, keys, indices, extra_info),
+                partial(self._set_indices, call, name, keys, indices, extra_info),
             )
         return out
+
+    def _transfers_call(self, kind: Kind, transfers: list[PoolTransfer]) -> Call:
+        """The call moving every transfer's pages: its deadline allows for all their bytes."""
+        nbytes = 0
+        for t in transfers:
+            pool = self._pool(_pool_name(t.name))
+            nbytes += 0 if pool is None else len(t.keys or ()) * pool.geometry.share_nbytes
+        return self._calls.begin(kind, nbytes)
+
+    def _get_indices(
+        self, call: Call, name: str, keys: Sequence[str], host_indices: torch.Tensor
+    ) -> list[bool]:
+        pool = self._pool(name)
+        if pool is None or not keys:
+            self.stats.add(misses=len(keys))
+            return [False] * len(keys)
+        ids = pool.pages.page_ids(host_indices, len(keys))
+        served = pool.read([block_hash(k) for k in keys], ids, self.stats, run=call.run)
+        return self._answered("load", served)
+
+    def _set_indices(
+        self,
+        call: Call,
+        name: str,
+        keys: Sequence[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None,
+    ) -> list[bool]:
+        pool = self._pool(name)
+        if pool is None or not keys:
+            return [False] * len(keys)
+        if not call.admit():  # refused at once, before the pages are gathered
+            return self._answered("store", [None] * len(keys))
+        ids = pool.pages.page_ids(host_indices, len(keys))
+        hashes = [block_hash(k) for k in keys]
+        parents = _parents(hashes, extra_info)
+        written = pool.write_pages(hashes, parents, ids, self.stats, run=call.run)
+        return self._answered("store", written)
+
+    def _answered(self, kind: Kind, results: list[bool | None]) -> list[bool]:
+        """Per key, whether it was served (stored); the keys not answered in time (None) are
+        counted as timed out, and as misses (failed writes)."""
+        late = results.count(None)
+        if late and kind == "load":
+            self.stats.add(read_timeouts=late, misses=late)
+        elif late:
+            self.stats.add(write_timeouts=late, write_failures=late)
+        return [bool(r) for r in results]
 
     # -- generic: flat pages -------------------------------------------------------------------
 
@@ -295,7 +339,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 f"{len(targets)}"
             )
         views = [PoolPages(pool.geometry, flat_page_buffers(pool.geometry, t)) for t in targets]
-        served = pool.read([block_hash(k) for k in keys], torch.zeros(0), self.stats, views)
+        call = self._calls.begin("load", len(keys) * pool.geometry.share_nbytes)
+        hashes = [block_hash(k) for k in keys]
+        served = self._answered("load", pool.read(hashes, _NO_IDS, self.stats, views, call.run))
         return [t if s else None for t, s in zip(targets, served, strict=True)]
 
     def set(
@@ -320,14 +366,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 f"batch_set: expected {len(keys)} flat pages of a registered pool, got "
                 f"{len(values)}"
             )
-        first = torch.zeros(1, dtype=torch.int64)
-        rows = [
-            PoolPages(pool.geometry, flat_page_buffers(pool.geometry, v)).gather(first)
-            for v in values
-        ]
+        views = [PoolPages(pool.geometry, flat_page_buffers(pool.geometry, v)) for v in values]
+        call = self._calls.begin("store", len(keys) * pool.geometry.share_nbytes)
+        if not call.admit():  # refused at once, before the pages are gathered
+            return self._answered("store", [None] * len(keys))
         hashes = [block_hash(k) for k in keys]
-        data = torch.cat(rows) if rows else torch.zeros((0, 0), dtype=torch.uint8)
-        return pool.write(hashes, _parents(hashes, None), data, self.stats)
+        parents = _parents(hashes, None)
+        written = pool.write_pages(hashes, parents, _NO_IDS, self.stats, views, call.run)
+        return self._answered("store", written)
 
     # -- service -------------------------------------------------------------------------------
 
@@ -356,16 +402,25 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             prefetch_bandwidth=[r for _, r in reads],
             backup_bandwidth=[r for _, r in writes],
         )
-        metrics.kvstore = self.stats.snapshot()
+        metrics.kvstore = {**self.stats.snapshot(), **self._calls.snapshot()}
         return metrics
 
     def close(self) -> None:
+        self._calls.close()
         self.store.close()
 
 
 def _pool_name(name: Any) -> str:
     """A pool's name as a plain string (SGLang passes its ``PoolName`` enum or a str)."""
     return str(getattr(name, "value", name))
+
+
+def _kv_hits(found: int | PoolTransferResult) -> int:
+    """The KV keys a lookup found from the start (batch_exists: its count; v2: the KV pool's)."""
+    if isinstance(found, int):
+        return found
+    hits: int = found.extra_pool_hit_pages.get(KV_POOL, 0)
+    return hits
 
 
 def _parents(

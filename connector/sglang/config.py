@@ -15,6 +15,7 @@ accepted keys, raised when SGLang constructs the backend (at startup, not at the
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,10 @@ from kvstore import ConfigError, StoreConfig
 # Keys SGLang 0.5.23 itself reads from the extra config (storage/backend_factory.py,
 # managers/cache_controller.py; tp_lcm_size is popped before the backend sees the rest).
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+
+# The deadline settings (the vLLM connector's names): seconds > 0, then the size floor and the
+# retry interval (connector/sglang/deadlines.py).
+DEADLINE_KEYS = ("lookup_deadline_s", "load_deadline_s", "store_deadline_s")
 
 
 @dataclass(frozen=True)
@@ -42,12 +47,33 @@ class SGLangBackendConfig:
     # The model's layers: needed with pipeline parallelism (a stage's pool holds only its
     # own). 0 = the pool's layers.
     num_layers: int = 0
+    # Seconds an exists / batch_exists(_v2) call may wait for the store before the keys it has
+    # not answered are misses (SGLang then recomputes them).
+    lookup_deadline_s: float = 2.0
+    # Seconds a get / batch_get(_v1/_v2) call may wait (plus the size allowance below) before
+    # the pages it has not read are misses: SGLang counts them and recomputes.
+    load_deadline_s: float = 5.0
+    # Seconds a set / batch_set(_v1/_v2) call may wait (plus the size allowance) before the
+    # pages it has not stored are reported not stored (dropped and counted).
+    store_deadline_s: float = 30.0
+    # Floor rate (MB/s, 10^6 bytes) of the size allowance: a call moving N bytes may take
+    # N / rate seconds more, so a large batch on slow but working storage is not cut short.
+    # 0 = no allowance.
+    deadline_min_mb_per_s: float = 100.0
+    # While the store is unresponsive (a call passed its deadline), calls fail at once without
+    # touching it, except one trial call at a time, at most one per this many seconds.
+    unresponsive_retry_s: float = 5.0
 
     def __post_init__(self) -> None:
         check_fields(
             self,
             strings=("model_name",),
             ints=(("num_kv_heads", 0, 1 << 16), ("num_layers", 0, 1 << 16)),
+        )
+        for name in (*DEADLINE_KEYS, "unresponsive_retry_s"):
+            _check_seconds(name, getattr(self, name), positive=True)
+        _check_seconds(
+            "deadline_min_mb_per_s", self.deadline_min_mb_per_s, positive=False, unit="MB/s"
         )
 
     @classmethod
@@ -78,3 +104,16 @@ class SGLangBackendConfig:
             if name in extra
         }
         return dataclasses.replace(defaults, **values)
+
+
+def _check_seconds(name: str, value: object, *, positive: bool, unit: str = "seconds") -> None:
+    """:class:`ConfigError` unless ``value`` is a finite number > 0 (``positive``), else >= 0."""
+    valid = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > 0 if positive else value >= 0)
+    )
+    if not valid:
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"{name}: expected a number of {unit} {bound}, got {value!r}")

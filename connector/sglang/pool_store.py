@@ -14,6 +14,13 @@ file that ``kvstore gc`` sweeps.
 Reads. A rank reads only its own inner chunks, each verified against its checksum; a missing,
 corrupt, short or foreign block is a miss (a corrupt one is quarantined, so the next lookup
 stops before it), and nothing of it reaches the pool.
+
+Threads. Only the calling thread (SGLang's) touches the pool: it gathers pages into its
+staging rows before a write and scatters read rows into the pool after the read. The file
+I/O of each slice goes through a runner: here on the same thread, in the backend on its own
+threads within the call's deadline (:mod:`connector.sglang.deadlines`). A slice the runner
+gave up on keeps its rows (the stuck I/O still reads into or writes from them): the calling
+thread takes new ones, and nothing of that slice reaches the pool.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -47,6 +55,16 @@ from kvstore.store.types import (
 # pages per call (1 GiB of an 8 MiB-page model), and freshly allocated rows cost a page fault
 # per 4 KiB on every call (measured: it halved a batch write's speed).
 STAGING_BYTES = 64 << 20
+
+# A slice's file I/O, and what runs it: the runner returns the step's per-key results, or None
+# when it gave up waiting (the step may still be running; ``int``: its staging bytes).
+Step = Callable[[], list[bool]]
+Runner = Callable[[Step, int], list[bool] | None]
+
+
+def run_here(step: Step, held_bytes: int = 0) -> list[bool] | None:
+    """The runner without a deadline: ``step`` on the calling thread."""
+    return step()
 
 
 def block_hash(key: object) -> bytes | None:
@@ -117,24 +135,42 @@ class PoolStore:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def write_pages(
+    def write_pages(  # noqa: PLR0913 - the blocks, where their pages are, and how to run the I/O
         self,
         hashes: Sequence[bytes | None],
         parents: Sequence[bytes | None],
         ids: torch.Tensor,
         stats: BackendStats,
-    ) -> list[bool]:
-        """:meth:`write` of pool pages ``ids`` (one per key), gathered slice by slice into
-        this thread's staging rows."""
-        done: list[bool] = []
+        pages: Sequence[PoolPages] | None = None,
+        run: Runner = run_here,
+    ) -> list[bool | None]:
+        """Write this rank's share of pool pages ``ids`` (or, with ``pages``, of page 0 of each
+        key's own one-page view: the flat pages of the generic interface) as blocks
+        ``hashes``, slice by slice through this thread's staging rows.
+
+        Per key: True once this rank's share is stored (durably when the store is durable)
+        or the block is published already; False when it is not (the reason is logged);
+        None when ``run`` gave up on its slice (later slices are not tried). A slice given up
+        on may still publish once its I/O returns: its rows hold the pages as they were when
+        this call gathered them, and a block appears whole or not at all.
+        """
+        done: list[bool | None] = []
+        for part in self._slices(len(hashes)):
+            rows = self._rows(part.stop - part.start)
+            self._gather(rows, ids[part], None if pages is None else pages[part])
+            start = time.perf_counter()
+            step = partial(self._write_rows, hashes[part], parents[part], rows.numpy())
+            written = run(step, _held_bytes(rows))
+            if written is None:
+                self._drop_rows()
+                break
+            self._count_write(stats, written, time.perf_counter() - start)
+            done += written
+        return done + [None] * (len(hashes) - len(done))
+
+    def _slices(self, count: int) -> list[slice]:
         step = self.pages_per_slice
-        for start in range(0, len(hashes), step):
-            part = ids[start : start + step]
-            rows = self.pages.gather(part, out=self._rows(len(part)))
-            done += self.write(
-                hashes[start : start + step], parents[start : start + step], rows, stats
-            )
-        return done
+        return [slice(i, min(i + step, count)) for i in range(0, count, step)]
 
     def _rows(self, count: int) -> torch.Tensor:
         """``count`` staging rows of this thread (uint8 ``(count, share_nbytes)``), valid until
@@ -146,20 +182,24 @@ class PoolStore:
             self._staging.rows = buffer
         return buffer[:count]
 
-    def write(
-        self,
-        hashes: Sequence[bytes | None],
-        parents: Sequence[bytes | None],
-        rows: torch.Tensor,
-        stats: BackendStats,
-    ) -> list[bool]:
-        """Write this rank's share rows (uint8 ``(n, share_nbytes)``) of blocks ``hashes``.
+    def _drop_rows(self) -> None:
+        """Leave this thread's rows to the I/O that was given up on (it may still use them)."""
+        self._staging.rows = None
 
-        Per key: True once this rank's share is stored (durably when the store is durable)
-        or the block is published already; False otherwise (the reason is logged).
-        """
-        start = time.perf_counter()
-        data = rows.numpy()
+    def _gather(
+        self, rows: torch.Tensor, ids: torch.Tensor, pages: Sequence[PoolPages] | None
+    ) -> None:
+        if pages is None:
+            self.pages.gather(ids, out=rows)
+            return
+        first = torch.zeros(1, dtype=torch.int64)
+        for i, view in enumerate(pages):
+            view.gather(first, out=rows[i : i + 1])
+
+    def _write_rows(
+        self, hashes: Sequence[bytes | None], parents: Sequence[bytes | None], data: np.ndarray
+    ) -> list[bool]:
+        """The file I/O of a write: share rows ``data`` as blocks ``hashes``."""
         todo = [i for i, h in enumerate(hashes) if h is not None]
         done = [False] * len(hashes)
         if todo:
@@ -170,13 +210,14 @@ class PoolStore:
             )
             for i, success in zip(todo, ok, strict=True):
                 done[i] = success
+        return done
+
+    def _count_write(self, stats: BackendStats, done: list[bool], seconds: float) -> None:
         written = sum(done)
         nbytes = written * self.geometry.share_nbytes
-        seconds = time.perf_counter() - start
-        stats.add(pages_written=written, write_failures=len(hashes) - written)
+        stats.add(pages_written=written, write_failures=len(done) - written)
         stats.add(bytes_written=nbytes, write_seconds=seconds)
         stats.record_io("write", written, nbytes, seconds)
-        return done
 
     def _write_whole(
         self,
@@ -239,49 +280,56 @@ class PoolStore:
         ids: torch.Tensor,
         stats: BackendStats,
         pages: Sequence[PoolPages] | None = None,
-    ) -> list[bool]:
+        run: Runner = run_here,
+    ) -> list[bool | None]:
         """Read blocks ``hashes`` and scatter this rank's share of the hits into pool pages
         ``ids`` (or, with ``pages``, into page 0 of each key's own one-page view: the flat
-        pages of the generic interface); per key, whether it was served. Nothing is written
-        for a miss."""
-        served: list[bool] = []
-        step = self.pages_per_slice
-        for start in range(0, len(hashes), step):
-            end = start + step
-            views = None if pages is None else pages[start:end]
-            served += self._read_slice(hashes[start:end], ids[start:end], stats, views)
-        return served
+        pages of the generic interface). Per key: whether it was served; None when ``run``
+        gave up on its slice (later slices are not tried). Nothing is written for a miss, nor
+        for a slice given up on, ever."""
+        served: list[bool | None] = []
+        for part in self._slices(len(hashes)):
+            rows = self._rows(part.stop - part.start)
+            start = time.perf_counter()
+            step = partial(self._read_rows, hashes[part], rows.numpy(), stats)
+            found = run(step, _held_bytes(rows))
+            if found is None:
+                self._drop_rows()
+                break
+            self._scatter(rows, found, ids[part], None if pages is None else pages[part])
+            self._count_read(stats, found, time.perf_counter() - start)
+            served += found
+        return served + [None] * (len(hashes) - len(served))
 
-    def _read_slice(
+    def _scatter(
         self,
-        hashes: Sequence[bytes | None],
+        rows: torch.Tensor,
+        served: list[bool],
         ids: torch.Tensor,
-        stats: BackendStats,
         pages: Sequence[PoolPages] | None,
-    ) -> list[bool]:
-        start = time.perf_counter()
-        table = self._rows(len(hashes))
-        served = self._read_rows(hashes, table.numpy(), stats)
+    ) -> None:
         hits = [i for i, s in enumerate(served) if s]
-        if hits and pages is None and len(hits) == len(hashes):
-            self.pages.scatter(ids, table)
+        if hits and pages is None and len(hits) == len(served):
+            self.pages.scatter(ids, rows)
         elif hits and pages is None:
             for i in hits:  # row slices are views: no copy of the rows that were read
-                self.pages.scatter(ids[i : i + 1], table[i : i + 1])
+                self.pages.scatter(ids[i : i + 1], rows[i : i + 1])
         elif hits and pages is not None:
             first = torch.zeros(1, dtype=torch.int64)
             for i in hits:
-                pages[i].scatter(first, table[i : i + 1])
-        nbytes = len(hits) * self.geometry.share_nbytes
-        seconds = time.perf_counter() - start
-        stats.add(hits=len(hits), misses=len(hashes) - len(hits), bytes_read=nbytes)
+                pages[i].scatter(first, rows[i : i + 1])
+
+    def _count_read(self, stats: BackendStats, served: list[bool], seconds: float) -> None:
+        hits = sum(served)
+        nbytes = hits * self.geometry.share_nbytes
+        stats.add(hits=hits, misses=len(served) - hits, bytes_read=nbytes)
         stats.add(read_seconds=seconds)
-        stats.record_io("read", len(hits), nbytes, seconds)
-        return served
+        stats.record_io("read", hits, nbytes, seconds)
 
     def _read_rows(
         self, hashes: Sequence[bytes | None], rows: np.ndarray, stats: BackendStats
     ) -> list[bool]:
+        """The file I/O of a read: blocks ``hashes`` into staging ``rows`` (corrupt counted)."""
         valid = [i for i, h in enumerate(hashes) if h is not None]
         served = [False] * len(hashes)
         if valid:
@@ -294,3 +342,8 @@ class PoolStore:
                 corrupt += result.status is ReadStatus.CORRUPT
             stats.add(corrupt=corrupt)
         return served
+
+
+def _held_bytes(rows: torch.Tensor) -> int:
+    """Bytes of the staging buffer ``rows`` lie in (a slice keeps all of it alive)."""
+    return int(rows.untyped_storage().nbytes())

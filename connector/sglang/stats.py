@@ -31,6 +31,13 @@ class BackendStats:
     write_failures: int = 0
     bytes_written: int = 0
     errors: int = 0  # calls that failed as a whole (counted once per call)
+    # Not answered within the call's deadline, or refused at once while the store is
+    # unresponsive (connector/sglang/deadlines.py); each also counted as a miss (a failed
+    # write): keys of lookups, pages of reads and of writes.
+    lookup_timeouts: int = 0
+    read_timeouts: int = 0
+    write_timeouts: int = 0
+    failed_fast: int = 0  # calls refused without touching the store (unresponsive)
     read_seconds: float = 0.0
     write_seconds: float = 0.0
     # Per call since the last get_stats (SGLang's StorageMetrics): pages and GB/s.

@@ -63,15 +63,14 @@ def _pool_store(
     return PoolStore(_store(root), "kv", pool, storage, "test/model", (0, layers))
 
 
-def _write(ps: PoolStore, pages: list[int], keys: list[str]) -> list[bool]:
+def _write(ps: PoolStore, pages: list[int], keys: list[str]) -> list[bool | None]:
     hashes = [block_hash(k) for k in keys]
-    rows = ps.pages.gather(torch.tensor(pages))
-    return ps.write(hashes, [None, *hashes[:-1]], rows, BackendStats())
+    return ps.write_pages(hashes, [None, *hashes[:-1]], torch.tensor(pages), BackendStats())
 
 
 def _read(
     ps: PoolStore, pages: list[int], keys: list[str], stats: BackendStats | None = None
-) -> list[bool]:
+) -> list[bool | None]:
     return ps.read([block_hash(k) for k in keys], torch.tensor(pages), stats or BackendStats())
 
 
@@ -237,9 +236,10 @@ def test_keys_that_are_not_page_hashes_are_misses(tmp_path: Path) -> None:
     bad = ["not-hex", "ab", None]
     assert [block_hash(k) for k in bad] == [None, None, None]
     hashes = [block_hash(k) for k in ["zz" * 32, KEYS[0]]]
-    assert ps.write(
-        hashes, [None, None], ps.pages.gather(torch.tensor([0, 1])), BackendStats()
-    ) == [False, True]
+    assert ps.write_pages(hashes, [None, None], torch.tensor([0, 1]), BackendStats()) == [
+        False,
+        True,
+    ]
     assert _read(ps, [2, 3], ["zz" * 32, KEYS[0]]) == [False, True]
 
 
