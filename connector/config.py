@@ -72,6 +72,19 @@ class ConnectorConfig:
     index_capacity: int = 1_000_000
     # Worker: threads running store and load jobs (the file I/O itself uses store io_threads).
     worker_threads: int = 2
+    # Worker: seconds a load job may take, plus its bytes at deadline_min_mb_per_s. Past it
+    # its blocks are reported failed (vLLM recomputes them), the late read never writes into
+    # the KV cache, and the store counts as unresponsive (docs/operating.md).
+    load_deadline_s: float = 5.0
+    # Worker: the same for a store job's file writes (the GPU pages are free once the
+    # snapshot is taken, so only host staging waits): past it the blocks are not published.
+    store_deadline_s: float = 30.0
+    # Worker: the slowest rate (MB/s, 10^6 bytes) a working store is allowed: a job moving
+    # N bytes gets N / rate seconds on top of its deadline. 0: no allowance for size.
+    deadline_min_mb_per_s: float = 100.0
+    # Worker: while the store is unresponsive, loads fail and stores are dropped at once but
+    # one job at a time, at most one per this many seconds, goes to it as a trial.
+    unresponsive_retry_s: float = 5.0
     # Scheduler: after a failed store (e.g. a full disk), offer no new stores for this many
     # seconds; lookups and loads go on.
     write_backoff_s: float = 30.0
@@ -104,10 +117,21 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not _is_number(value) or not 0 <= value < math.inf:
                 raise ConfigError(f"{name}: expected a number of seconds >= 0, got {value!r}")
-        deadline = self.lookup_deadline_s
-        if not _is_number(deadline) or not 0 < deadline < math.inf:
+        positive = (
+            "lookup_deadline_s",
+            "load_deadline_s",
+            "store_deadline_s",
+            "unresponsive_retry_s",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 < value < math.inf:
+                raise ConfigError(f"{name}: expected a number of seconds > 0, got {value!r}")
+        rate = self.deadline_min_mb_per_s
+        if not _is_number(rate) or not 0 <= rate < math.inf:
             raise ConfigError(
-                f"lookup_deadline_s: expected a number of seconds > 0, got {deadline!r}"
+                f"deadline_min_mb_per_s: expected a number of MB/s >= 0 (0: no allowance for "
+                f"size), got {rate!r}"
             )
         if isinstance(self.kv_events_locality, str):  # "local" is as clear as "LOCAL"
             object.__setattr__(self, "kv_events_locality", self.kv_events_locality.upper())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -291,7 +292,7 @@ def test_a_load_abandoned_while_its_reads_hang_never_touches_the_rank_tensors(
         entered, thaw = threading.Event(), threading.Event()
         real_read = group.read_blocks
 
-        def frozen_read(reads: list[BlockRead]) -> list[ReadResult]:
+        def frozen_read(reads: Sequence[BlockRead]) -> list[ReadResult]:
             entered.set()
             assert thaw.wait(30)
             return real_read(reads)

@@ -12,8 +12,9 @@ Modules: ``spec`` and ``vllm_connector`` (what vLLM loads), ``manager`` (schedul
 ``admission`` (``admit_after``), ``events`` (kv-cache events of published and vanished
 blocks), ``metrics`` (the ``vllm:kvstore_*`` series, load-failure causes),
 ``transfer_specs`` (the picklable load/store job specs the scheduler sends the workers),
-``worker`` / ``executor`` (the job threads) / ``streams`` (ordering against the compute
-stream) / ``job_blocks`` (a job's GPU blocks) on the worker side.
+``worker`` / ``executor`` (the job threads) / ``deadlines`` (jobs on a hung store) /
+``streams`` (ordering against the compute stream) / ``job_blocks`` (a job's GPU blocks) on the
+worker side.
 
 What both modes share lies in :mod:`connector` itself (``compat``, ``config``, ``facts``,
 ``identity``, ``keys``, ``rank``, ``store``); this package never imports

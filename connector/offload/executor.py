@@ -42,15 +42,17 @@ class PriorityExecutor:
         self._queue.put((priority, next(self._counter), fn, future))
         return future
 
-    def shutdown(self) -> None:
-        """Run what is queued, then stop the threads."""
+    def shutdown(self, wait: bool = True) -> None:
+        """Run what is queued, then stop the threads; with ``wait``, wait for them. Without,
+        threads blocked in a hung file system are left behind (they are daemons)."""
         if self._closed:
             return
         self._closed = True
         for _ in self._threads:
             self._queue.put((1 << 30, next(self._counter), None, None))
-        for thread in self._threads:
-            thread.join()
+        if wait:
+            for thread in self._threads:
+                thread.join()
 
     def _run(self) -> None:
         while True:

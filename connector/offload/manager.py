@@ -26,7 +26,14 @@ return futures, which the scheduler thread applies at its next call).
   blocks some worker failed to write are aborted instead (temporary files removed) and, for
   ``write_backoff_s`` seconds, no new stores are offered (a full disk does not fill the log).
 * :meth:`KVStoreManager.note_worker_failures` (from the connector) records those store
-  failures, and forgets keys whose load failed (quarantined or vanished files).
+  failures, and forgets keys whose load failed (quarantined or vanished files). A store a
+  worker gave up at its deadline is such a failure: aborted, never published; its late
+  write only ever fills the block's temporary file, which the abort removes, or, written
+  after it, ``kvstore gc`` and ``kvstore verify --fix`` (orphan temporaries). Stores a
+  worker dropped while it found the store unresponsive count as dropped, not failed.
+  :meth:`KVStoreManager.note_worker_health` keeps the workers' late jobs and unresponsive
+  time for the metrics; while a worker finds the store unresponsive every lookup is a miss
+  (its loads would fail at once, and vLLM would schedule them again and again).
 * ``reset_cache`` drops the in-memory view only: the store is persistent and shared. Blocks
   pending at a reset are aborted once the workers reported their jobs (``abort_orphans``).
 
@@ -42,6 +49,7 @@ its parent is not found by prefix lookups), never waited for.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict, defaultdict
@@ -69,6 +77,7 @@ from connector.identity import KeyMap
 from connector.keys import parent_key
 from connector.offload import metrics as m
 from connector.offload.admission import Admission
+from connector.offload.deadlines import WorkerHealth
 from connector.offload.events import StoreEvents
 from connector.offload.metrics import StoreMetrics
 from connector.offload.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
@@ -147,13 +156,19 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self._load_started: dict[bytes, float] = {}  # key -> when prepare_load pinned it
         self._load_failed: dict[bytes, str] = {}  # key -> cause, reported by a worker
         self._abort_cause: dict[bytes, str] = {}  # key -> why its pending block is aborted
+        self._worker_health = WorkerHealth()  # summed over workers and steps: gauges
 
     # -- lookup --------------------------------------------------------------------------------
 
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:  # noqa: PLR0911 - one answer per state of the store and the key, in order
         self._drain()
         k = bytes(key)
         self.admission.see(k, req_context)
+        if self._worker_health.unresponsive > 0:
+            # A worker finds the store hung: its loads fail at once, and vLLM would schedule
+            # the request's load again and again. Recompute until the worker says otherwise.
+            self.metrics.count(m.LOOKUP_TIMEOUTS)
+            return self._answer(k, req_context, LookupResult.MISS)
         if k in self._present:
             self._present.move_to_end(k)
             return self._answer(k, req_context, LookupResult.HIT)
@@ -404,6 +419,14 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             else:  # pragma: no cover - vLLM completes a load only after every report
                 self.metrics.count(m.FAILED_BLOCKS, 1, m.LOAD, cause)
 
+    def note_worker_health(self, health: WorkerHealth) -> None:
+        """Workers' changes since their last report (summed over ranks): late jobs and bytes,
+        workers unresponsive (kept as gauges), seconds unresponsive (counted)."""
+        self._worker_health = self._worker_health.plus(
+            dataclasses.replace(health, unresponsive_seconds=0.0)
+        )
+        self.metrics.count(m.WORKER_UNRESPONSIVE_SECONDS, health.unresponsive_seconds)
+
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _drain(self) -> None:
@@ -490,8 +513,8 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
                 continue
             self.counters["blocks_not_published"] += 1
             cause = self._abort_cause.pop(key, None) or m.write_cause(error)
-            if cause == m.CACHE_RESET:
-                self.metrics.count(m.STORE_DROPPED_BLOCKS, 1, m.CACHE_RESET)
+            if cause in (m.CACHE_RESET, m.UNRESPONSIVE_REASON):
+                self.metrics.count(m.STORE_DROPPED_BLOCKS, 1, cause)
             else:
                 self.metrics.count(m.FAILED_BLOCKS, 1, m.STORE, cause)
         self.events.stored(written)
@@ -577,6 +600,11 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self.metrics.gauge(m.PENDING_JOBS, len(self._probes) + len(self._late), m.PROBE)
         self.metrics.gauge(m.UNRESPONSIVE, 0 if self._unresponsive_since is None else 1)
         self.metrics.gauge(m.PENDING_JOBS, len(self._publishes), m.PUBLISH)
+        health = self._worker_health
+        self.metrics.gauge(m.WORKER_UNRESPONSIVE, health.unresponsive)
+        self.metrics.gauge(m.LATE_JOBS, health.late_loads, m.LOAD)
+        self.metrics.gauge(m.LATE_JOBS, health.late_stores, m.STORE)
+        self.metrics.gauge(m.LATE_BYTES, health.late_bytes)
         stats = OffloadingConnectorStats()
         return stats if self.metrics.take(stats) else None
 

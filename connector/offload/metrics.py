@@ -10,6 +10,9 @@ Everything here is counted on the scheduler, once per block, whatever the parall
 worker failure reports of one block from several TP ranks are merged into one cause
 (:func:`worse`) before they are counted, and bytes are whole blocks (every rank's share).
 vLLM's own ``vllm:kv_offload_*`` series stay what they are (bytes each worker moved).
+The exceptions are the workers' own state on a hung store (``worker_unresponsive*``,
+``late_*``): each worker sends its changes in its per-step metadata
+(:class:`connector.offload.deadlines.WorkerHealth`) and they are summed over workers.
 
 Names follow vLLM's: ``vllm:`` prefix, counters without ``_total`` (prometheus_client adds
 it), units in the name, label values lower case. docs/metrics.md says what each one means and
@@ -29,6 +32,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
 )
 
+from kvstore.errors import StoreTimeoutError
 from kvstore.store.types import ReadStatus
 
 if TYPE_CHECKING:
@@ -55,6 +59,10 @@ PENDING_JOBS = PREFIX + "pending_jobs"
 LOOKUP_TIMEOUTS = PREFIX + "lookup_timeout_blocks"
 UNRESPONSIVE = PREFIX + "store_unresponsive"
 UNRESPONSIVE_SECONDS = PREFIX + "store_unresponsive_seconds"
+WORKER_UNRESPONSIVE = PREFIX + "worker_unresponsive"
+WORKER_UNRESPONSIVE_SECONDS = PREFIX + "worker_unresponsive_seconds"
+LATE_JOBS = PREFIX + "late_jobs"
+LATE_BYTES = PREFIX + "late_bytes"
 
 # Label values. Lookups: result. Failures: op and cause. Skipped / dropped stores: reason.
 HIT, MISS = "hit", "miss"
@@ -64,7 +72,11 @@ CORRUPT = "corrupt"  # failed verification: quarantined
 IDENTITY_MISMATCH = "identity_mismatch"  # a valid block of another key or namespace: quarantined
 IO_ERROR = "io_error"  # the OS refused a read or write (EIO, EACCES, ...)
 DISK_FULL = "disk_full"  # ENOSPC / EDQUOT while writing
-CAUSES = (MISSING, CORRUPT, IDENTITY_MISMATCH, IO_ERROR, DISK_FULL)
+TIMEOUT = "timeout"  # not done within load_deadline_s / store_deadline_s: given up
+# (loads) failed at once while the worker found the store unresponsive; stores so dropped
+# are counted as dropped, with this reason
+UNRESPONSIVE_REASON = "unresponsive"
+CAUSES = (MISSING, CORRUPT, IDENTITY_MISMATCH, IO_ERROR, DISK_FULL, TIMEOUT, UNRESPONSIVE_REASON)
 PRESENT = "present"  # already in the store, being published or being stored
 NOT_ADMITTED = "not_admitted"  # seen fewer than admit_after times
 BACKPRESSURE = "backpressure"  # max_pending_store_bytes reached
@@ -73,8 +85,17 @@ CACHE_RESET = "cache_reset"  # pending at a prefix-cache reset, aborted
 PROBE, PUBLISH = "probe", "publish"
 
 # A block reported failed by several ranks gets the most telling cause: a rank that reads an
-# intact chunk of a block another rank just quarantined finds it missing.
-_SEVERITY = {MISSING: 0, IO_ERROR: 1, DISK_FULL: 2, CORRUPT: 3, IDENTITY_MISMATCH: 4}
+# intact chunk of a block another rank just quarantined finds it missing. A rank that got
+# no answer in time (timeout, unresponsive) tells less than one that got an error.
+_SEVERITY = {
+    MISSING: 0,
+    UNRESPONSIVE_REASON: 1,
+    TIMEOUT: 2,
+    IO_ERROR: 3,
+    DISK_FULL: 4,
+    CORRUPT: 5,
+    IDENTITY_MISMATCH: 6,
+}
 
 # Histogram observations kept between two get_stats() calls; vLLM does not call it when stats
 # logging is off, and the payload must not grow without bound meanwhile.
@@ -112,7 +133,8 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         ),
         FAILED_BLOCKS: counter(
             "Blocks whose load or store failed, by operation and cause (missing, corrupt, "
-            "identity_mismatch, io_error, disk_full); each block counted once.",
+            "identity_mismatch, io_error, disk_full, timeout, unresponsive); each block "
+            "counted once.",
             ("op", "cause"),
         ),
         STORE_SKIPPED_BLOCKS: counter(
@@ -122,7 +144,7 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         ),
         STORE_DROPPED_BLOCKS: counter(
             "Blocks that should have been stored and were dropped, by reason (backpressure, "
-            "write_backoff, cache_reset).",
+            "write_backoff, cache_reset, unresponsive).",
             ("reason",),
         ),
         WRITE_BACKOFF: gauge("1 while stores are suspended after failed writes, else 0."),
@@ -146,12 +168,27 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         UNRESPONSIVE_SECONDS: counter(
             "Seconds the store was unresponsive, counted when it answers again."
         ),
+        WORKER_UNRESPONSIVE: gauge(
+            "Workers (GPU ranks) that found the store unresponsive (a load or store past its "
+            "deadline, no job returned since): they fail loads and drop stores at once."
+        ),
+        WORKER_UNRESPONSIVE_SECONDS: counter(
+            "Seconds workers found the store unresponsive, summed over workers."
+        ),
+        LATE_JOBS: gauge(
+            "Transfer jobs given up at their deadline whose I/O has not returned yet, by "
+            "operation, summed over workers; each holds a worker thread or a place in its "
+            "queue, and staging buffers (late_bytes).",
+            ("op",),
+        ),
+        LATE_BYTES: gauge("Bytes of the staging buffers held by late jobs, summed over workers."),
     }
 
 
 def worse(a: str, b: str) -> str:
     """The more telling of two failure causes of one block (see :data:`_SEVERITY`)."""
-    return a if _SEVERITY.get(a, 1) >= _SEVERITY.get(b, 1) else b
+    unknown = _SEVERITY[IO_ERROR]
+    return a if _SEVERITY.get(a, unknown) >= _SEVERITY.get(b, unknown) else b
 
 
 def read_cause(status: ReadStatus, error: str) -> str:
@@ -168,6 +205,8 @@ def read_cause(status: ReadStatus, error: str) -> str:
 
 def error_cause(exc: BaseException) -> str:
     """The cause of a failed write or read that raised ``exc``."""
+    if isinstance(exc, StoreTimeoutError):
+        return TIMEOUT
     code = getattr(exc, "errno", None)
     if code in (errno.ENOSPC, errno.EDQUOT):
         return DISK_FULL

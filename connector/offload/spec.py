@@ -27,6 +27,7 @@ from connector.config import ConnectorConfig
 from connector.facts import current
 from connector.identity import derive_identity
 from connector.offload import metrics as kvstore_metrics
+from connector.offload.deadlines import JobDeadlines
 from connector.offload.manager import KVStoreManager
 from connector.offload.worker import KVStoreWorker, build_worker
 from connector.rank import rank_context
@@ -154,6 +155,7 @@ class KVStoreSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]  # Any w
                 store=store,
                 namespace=namespace,
                 threads=self.options.worker_threads,
+                deadlines=JobDeadlines.of(self.options),
                 layer_views=self._layer_views,
             )
         except BaseException:

@@ -12,7 +12,10 @@ subclass changes nothing else; it
   load of the request is reported failed (``failed_recving``) and recomputed;
 * sends the keys of failed stores and loads to the scheduler in the per-step worker metadata
   (:class:`KVStoreWorkerMetadata`), where the manager learns them before ``complete_store``
-  of the job (so those blocks are not published) and forgets keys whose file went bad;
+  of the job (so those blocks are not published) and forgets keys whose file went bad; and,
+  in the same metadata, each worker's view of a hung store (late jobs, unresponsive time:
+  :class:`connector.offload.deadlines.WorkerHealth`) for the manager's metrics, since vLLM
+  (0.32+) takes connector stats from the scheduler only;
 * on a vLLM without ``on_reset_flushed`` (0.32, :mod:`connector.compat`), counts the workers'
   reports of the store jobs in flight at a prefix-cache reset and has the manager abort their
   blocks once all came back (0.33 does this itself).
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
 from connector import SPEC_NAME, compat
 from connector.compat import manager_lock
 from connector.facts import engine_facts, provide
+from connector.offload.deadlines import WorkerHealth
 from connector.offload.manager import KVStoreManager
 from connector.offload.metrics import merge_causes
 from connector.offload.spec import KVStoreSpec
@@ -68,21 +72,26 @@ class KVStoreWorkerMetadata(OffloadingWorkerMetadata):  # type: ignore[misc, unu
     failed_load_keys: list[bytes] = field(default_factory=list)
     # why each failed (connector.offload.metrics causes); the worse cause wins across ranks
     failure_causes: dict[bytes, str] = field(default_factory=dict)
+    # late jobs and unresponsive time since the last step, summed over ranks
+    health: WorkerHealth = field(default_factory=WorkerHealth)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = super().aggregate(other)
         assert isinstance(merged, OffloadingWorkerMetadata)
         stores, loads = list(self.failed_store_keys), list(self.failed_load_keys)
         causes = dict(self.failure_causes)
+        health = self.health
         if isinstance(other, KVStoreWorkerMetadata):
             stores += other.failed_store_keys
             loads += other.failed_load_keys
             merge_causes(causes, other.failure_causes)
+            health = health.plus(other.health)
         return KVStoreWorkerMetadata(
             **compat.worker_metadata_fields(merged),
             failed_store_keys=stores,
             failed_load_keys=loads,
             failure_causes=causes,
+            health=health,
         )
 
 
@@ -158,7 +167,8 @@ class KVStoreConnector(OffloadingConnector):  # type: ignore[misc, unused-ignore
             return meta
         stores, loads = worker.take_failed_keys()
         causes = worker.take_failure_causes()
-        if meta is None and not stores and not loads:
+        health = worker.take_health()
+        if meta is None and not stores and not loads and not health:
             return None
         base = meta if meta is not None else OffloadingWorkerMetadata()
         return KVStoreWorkerMetadata(
@@ -166,6 +176,7 @@ class KVStoreConnector(OffloadingConnector):  # type: ignore[misc, unused-ignore
             failed_store_keys=stores,
             failed_load_keys=loads,
             failure_causes=causes,
+            health=health,
         )
 
     # -- scheduler side ------------------------------------------------------------------------
@@ -188,6 +199,8 @@ class KVStoreConnector(OffloadingConnector):  # type: ignore[misc, unused-ignore
                     manager.note_worker_failures(
                         meta.failed_store_keys, meta.failed_load_keys, meta.failure_causes
                     )
+                if isinstance(meta, KVStoreWorkerMetadata) and meta.health:
+                    manager.note_worker_health(meta.health)
                 if self._own_reset_fence and isinstance(meta, OffloadingWorkerMetadata):
                     self._count_reports(manager, meta.completed_jobs)
         super().update_connector_output(connector_output)

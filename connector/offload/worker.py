@@ -24,6 +24,16 @@
   (:meth:`KVStoreWorker._fails_in_vllm`); a partial failure stays block-level. The keys of
   failed stores and loads go to the scheduler on every version (it then does not publish
   those blocks and forgets those it believed present). One log line per failed job.
+* **A hung store never stalls the engine** (:mod:`.deadlines`). A job not done within its
+  deadline (``load_deadline_s``, ``store_deadline_s``, plus its bytes at
+  ``deadline_min_mb_per_s``; counted from its submission, so a job queued behind blocked
+  threads counts too) is given up: reported finished and failed as above, cause ``timeout``
+  (a load: vLLM recomputes, the late read never reaches the KV cache; a store: not
+  published). ``wait`` on a load returns by its deadline too. The store is then unresponsive
+  for this worker: one warning, every new load fails and every new store is dropped at once
+  (cause and reason ``unresponsive``), no thread used, but for one trial job at a time at
+  most every ``unresponsive_retry_s``; the first job that returns ends it. Late jobs keep
+  their staging buffers until their threads return; they are counted, never waited for.
 
 Layout: per offloaded group, the local tensors and the certified
 :class:`kvstore.layout.RankMapping` come from :mod:`connector.rank`.
@@ -32,6 +42,7 @@ Layout: per offloaded group, the local tensors and the certified
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import Counter, defaultdict
@@ -47,13 +58,16 @@ from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadingWorker, TransferRes
 from connector import compat
 from connector.facts import EngineFacts
 from connector.identity import KeyMap
+from connector.offload import metrics as m
+from connector.offload.deadlines import Gates, JobDeadlines, StoreWatch, WorkerHealth
 from connector.offload.executor import EXPEDITED, LOAD, STORE, PriorityExecutor
 from connector.offload.job_blocks import BlockResolver, JobBlocks
 from connector.offload.metrics import error_cause, merge_causes, read_cause
 from connector.offload.streams import PASSED, AllOf, EventFence, Fence, Streams, streams_for
 from connector.offload.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
 from connector.rank import RankContext, certify, check_mapping, family_of, group_tensors
-from kvstore import Identity, KVStore, LayoutError, Namespace
+from kvstore import Identity, KVStore, LayoutError, Namespace, StoreTimeoutError
+from kvstore.io.deadline import DeliveryGate
 from kvstore.rank_io import RankIO, StagedShares
 from kvstore.store.types import PendingBlock, ReadStatus
 
@@ -88,30 +102,36 @@ class _Outcome:
     failed_blocks: list[int] = field(default_factory=list)
     reasons: Counter[str] = field(default_factory=Counter)
     causes: dict[bytes, str] = field(default_factory=dict)  # failed key -> metrics cause
+    whole_job: bool = False  # the job failed as a whole (raised, given up, failed fast)
 
 
 @dataclass
 class _Job:
     job_id: int
     is_load: bool
-    keys: Sequence[bytes]
+    keys: Sequence[bytes]  # stores: the keys this rank writes, once known
     blocks: Sequence[int]  # GPU block ids (loads: what to report if the job itself fails)
     started: float
     fence: Fence  # store: snapshot taken
     future: Future[_Outcome]
     req_id: str = ""
     expedited: bool = False
+    gates: Gates = field(default_factory=lambda: Gates(1))
+    deadline: float = math.inf  # monotonic time it is given up at if not done
+    nbytes: int = 0  # this rank's bytes of the job (its staging buffers)
 
 
 # (group, indices into the job's keys, GPU block ids), one per offloaded group
 _Part = tuple[WorkerGroup, list[int], list[int]]
+# (group, pending blocks this rank writes, their keys, their GPU block ids)
+_Work = tuple[WorkerGroup, list[PendingBlock], list[bytes], list[int]]
 _S = TypeVar("_S", bound=LoadStoreSpec)
 
 
 class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
     """Transfers between this rank's KV tensors and the store (one vLLM worker process)."""
 
-    def __init__(  # noqa: PLR0913 - keyword-only: the store, key map, groups, streams, pool size and block resolver are distinct collaborators build_worker assembles
+    def __init__(  # noqa: PLR0913 - keyword-only: the store, key map, groups, streams, pool size, block resolver and deadlines are distinct collaborators build_worker assembles
         self,
         *,
         store: KVStore,
@@ -120,12 +140,17 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         streams: Streams,
         threads: int,
         resolver: BlockResolver,
+        deadlines: JobDeadlines,
     ) -> None:
         self.store = store
         self.resolver = resolver
         self.key_map = key_map
         self.groups = tuple(groups)
         self.streams = streams
+        self.deadlines = deadlines
+        self.watch = StoreWatch(
+            where=str(store.root), retry_interval_s=deadlines.retry_interval_s, logger=log
+        )
         self._executor = PriorityExecutor(threads, "kvstore-worker")
         self._jobs: dict[int, _Job] = {}
         self._load_error_blocks: set[int] = set()
@@ -143,28 +168,42 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
 
     def submit_store(self, job_id: int, src: Any, dst_spec: LoadStoreSpec) -> bool:
         """``src``: the job's GPU blocks as vLLM gives them (:mod:`.job_blocks`)."""
-        started = time.monotonic()
-        keys: Sequence[bytes] = getattr(dst_spec, "keys", ())
+        job = _Job(
+            job_id, False, getattr(dst_spec, "keys", ()), (), time.monotonic(), PASSED, _done()
+        )
         try:
             work = self._elected_work(
                 _expect(KVStoreStoreSpec, dst_spec), self.resolver.resolve(src)
             )
-            snapshot, stream_fence = self.streams.snapshot(
-                lambda: [
-                    group.rank_io.stage(group.tensors, pendings, ids)
-                    for group, pendings, _, ids in work
-                ]
-            )
-            # The pages may be reused once the snapshot stream and every staged batch's own
-            # event (the engine's side stream) have passed.
-            fence: Fence = AllOf([stream_fence, *(EventFence(s.ready) for s in snapshot)])
-            future = self._executor.submit(STORE, lambda: self._write(fence, work, snapshot))
+            job.keys = [key for _, _, keys, _ in work for key in keys]
+            job.nbytes = sum(len(p) * g.rank_io.mapping.share_bytes for g, p, _, _ in work)
+            if work:
+                self._start_store(job, work)
         except Exception as exc:
             log.exception("kvstore: store job %d could not start; its blocks are skipped", job_id)
-            future = _failed_future(exc)
-            fence = PASSED
-        self._jobs[job_id] = _Job(job_id, False, keys, (), started, fence, future)
+            job.future = _failed_future(exc)
+            job.fence = PASSED
+        self._jobs[job_id] = job
         return True
+
+    def _start_store(self, job: _Job, work: list[_Work]) -> None:
+        """Snapshot this rank's share and queue the write, or, while the store is
+        unresponsive and this is no trial, drop the job (no snapshot, no thread)."""
+        if not self.watch.responsiveness.admit():
+            job.future = _done(_unresponsive(job.keys, []))
+            return
+        snapshot, stream_fence = self.streams.snapshot(
+            lambda: [
+                group.rank_io.stage(group.tensors, pendings, ids)
+                for group, pendings, _, ids in work
+            ]
+        )
+        # The pages may be reused once the snapshot stream and every staged batch's own
+        # event (the engine's side stream) have passed.
+        job.fence = AllOf([stream_fence, *(EventFence(s.ready) for s in snapshot)])
+        job.deadline = job.started + self.deadlines.store.seconds(job.nbytes)
+        fence, gate = job.fence, job.gates.gates[0]
+        job.future = self._executor.submit(STORE, lambda: self._write(fence, work, snapshot, gate))
 
     def submit_load(
         self,
@@ -174,43 +213,48 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         expedited: bool = False,
     ) -> bool:
         """``dst``: the job's GPU blocks as vLLM gives them (:mod:`.job_blocks`)."""
-        started = time.monotonic()
         keys: Sequence[bytes] = getattr(src_spec, "keys", ())
         req_id = str(getattr(src_spec, "req_id", ""))
-        blocks: Sequence[int] = ()
+        job = _Job(job_id, True, keys, (), time.monotonic(), PASSED, _done(), req_id, expedited)
         try:
             load_keys = _expect(KVStoreLoadSpec, src_spec).keys
             job_blocks = self.resolver.resolve(dst)
-            blocks = job_blocks.block_ids
+            job.blocks = job_blocks.block_ids
             parts = self._split(load_keys, job_blocks)
-            fence = self.streams.mark()
-            future = self._executor.submit(
-                EXPEDITED if expedited else LOAD, lambda: self._read(fence, parts, load_keys)
-            )
+            job.nbytes = sum(len(indices) * g.rank_io.read_nbytes for g, indices, _ in parts)
+            if any(indices for _, indices, _ in parts):
+                self._start_load(job, parts, load_keys)
         except Exception as exc:
             log.exception("kvstore: load job %d could not start; the engine recomputes", job_id)
-            future = _failed_future(exc)
-            if not blocks:
-                blocks = self.resolver.rows_touched(dst)
-        self._jobs[job_id] = _Job(
-            job_id, True, keys, blocks, started, PASSED, future, req_id, expedited
-        )
+            job.future = _failed_future(exc)
+            if not job.blocks:
+                job.blocks = self.resolver.rows_touched(dst)
+        self._jobs[job_id] = job
         return True
+
+    def _start_load(self, job: _Job, parts: list[_Part], keys: Sequence[bytes]) -> None:
+        """Queue the reads, or, while the store is unresponsive and this is no trial, fail
+        the job at once (no thread)."""
+        if not self.watch.responsiveness.admit():
+            job.future = _done(_unresponsive(job.keys, job.blocks))
+            return
+        job.gates = Gates(len(parts))
+        job.deadline = job.started + self.deadlines.load.seconds(job.nbytes)
+        fence, gates = self.streams.mark(), job.gates
+        job.future = self._executor.submit(
+            EXPEDITED if job.expedited else LOAD, lambda: self._read(fence, parts, keys, gates)
+        )
 
     def get_finished(self) -> list[TransferResult]:
         results: list[TransferResult] = []
+        self.watch.poll()
+        now = time.monotonic()
         for job_id, job in list(self._jobs.items()):
-            if not job.future.done():
+            if not job.future.done() and not (now >= job.deadline and self._give_up(job)):
                 continue
             del self._jobs[job_id]
-            whole_job = False
-            try:
-                outcome = job.future.result()
-            except Exception as exc:  # the whole job failed: all of its blocks did
-                outcome = _Outcome()
-                _fail(outcome, job.keys, job.blocks if job.is_load else [], exc)
-                whole_job = True
-            success = not self._fails_in_vllm(job, outcome, whole_job)
+            outcome = self._outcome(job)
+            success = not self._fails_in_vllm(job, outcome)
             self._record(job, outcome, vllm_recomputes_request=not success)
             results.append(
                 TransferResult(
@@ -222,7 +266,33 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
             )
         return results
 
-    def _fails_in_vllm(self, job: _Job, outcome: _Outcome, whole_job: bool) -> bool:
+    def _outcome(self, job: _Job) -> _Outcome:
+        """What a finished or given-up job reports. A job given up fails as a whole (cause
+        timeout) whatever its thread returns, if it ever does (it is then held as late)."""
+        blocks = job.blocks if job.is_load else []
+        if job.gates.abandoned:
+            if not job.future.done():
+                self.watch.hold(job.future, job.is_load, job.nbytes)
+            setting = "load_deadline_s" if job.is_load else "store_deadline_s"
+            error = StoreTimeoutError(f"not done within its deadline ({setting})")
+            return _failed(job.keys, blocks, error, m.TIMEOUT)
+        try:
+            return job.future.result()
+        except Exception as exc:  # the whole job failed: all of its blocks did
+            return _failed(job.keys, blocks, exc)
+
+    def _give_up(self, job: _Job) -> bool:
+        """(past its deadline, not done) Stop waiting for ``job``; the store is unresponsive
+        from now on (one warning per episode). False while its copy into the engine's pages
+        is under way: a memory copy, waited for."""
+        what, setting = (
+            ("load", "load_deadline_s") if job.is_load else ("store", "store_deadline_s")
+        )
+        # Before the abandon: a thread returning after it then ends the episode it started.
+        self.watch.responsiveness.timed_out(what, time.monotonic() - job.started, setting)
+        return job.gates.abandon()
+
+    def _fails_in_vllm(self, job: _Job, outcome: _Outcome) -> bool:
         """Whether a load is reported to vLLM as a failed job (``success=False``).
 
         Only where vLLM takes failed jobs (0.34, :data:`compat.VLLM_REPORTS_FAILED_JOBS`); it
@@ -236,23 +306,43 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         if not (job.is_load and outcome.failed_keys and compat.VLLM_REPORTS_FAILED_JOBS):
             return False
         if job.expedited:
-            return whole_job and not job.blocks
-        return whole_job or len(self.groups) > 1
+            return outcome.whole_job and not job.blocks
+        return outcome.whole_job or len(self.groups) > 1
 
     def wait(self, job_ids: set[int]) -> None:
-        loads: list[Future[_Outcome]] = []
+        """Stores: until their snapshot is taken (the file writes go on in the background).
+        Loads: until done or given up at their deadline (then reported failed by
+        ``get_finished``), past it only while a copy into the pages is under way."""
         for job_id in job_ids:
             job = self._jobs.get(job_id)
             if job is None:
                 continue
-            if job.is_load:
-                loads.append(job.future)
-            else:
-                job.fence.wait()  # the snapshot; the file writes go on in the background
-        wait_futures(loads)
+            if not job.is_load:
+                job.fence.wait()
+                continue
+            _wait_until_deadline(job)
+            if not job.future.done() and not self._give_up(job):
+                wait_futures([job.future])
 
     def shutdown(self) -> None:
-        wait_futures([job.future for job in self._jobs.values()])
+        """Wait for the jobs in flight, each until its deadline. Jobs still blocked in a hung
+        store then are left to their (daemon) threads, and the store is not closed (closing
+        it joins its I/O threads, blocked too)."""
+        for job in self._jobs.values():
+            _wait_until_deadline(job)
+        blocked = [job for job in self._jobs.values() if not job.future.done()]
+        for job in blocked:
+            job.gates.abandon()
+        self.watch.poll()
+        if blocked or self.watch.late:
+            log.warning(
+                "kvstore: %d transfer jobs are still blocked in the store at %s at shutdown; "
+                "their threads are left behind",
+                len(blocked) + self.watch.late,
+                self.store.root,
+            )
+            self._executor.shutdown(wait=False)
+            return
         self._executor.shutdown()
         self.store.close()
 
@@ -284,11 +374,13 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         out, self._failure_causes = self._failure_causes, {}
         return out
 
+    def take_health(self) -> WorkerHealth:
+        """Late jobs and unresponsive time since the last call (:class:`.deadlines.StoreWatch`)."""
+        return self.watch.take()
+
     # -- stores --------------------------------------------------------------------------------
 
-    def _elected_work(
-        self, spec: KVStoreStoreSpec, src: JobBlocks
-    ) -> list[tuple[WorkerGroup, list[PendingBlock], list[bytes], list[int]]]:
+    def _elected_work(self, spec: KVStoreStoreSpec, src: JobBlocks) -> list[_Work]:
         work = []
         for group, indices, block_ids in self._split(spec.keys, src):
             pendings = [spec.pending(i) for i in indices]
@@ -307,9 +399,12 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
     def _write(
         self,
         fence: Fence,
-        work: list[tuple[WorkerGroup, list[PendingBlock], list[bytes], list[int]]],
+        work: list[_Work],
         snapshot: list[StagedShares],
+        gate: DeliveryGate,
     ) -> _Outcome:
+        """(job thread) Write the staged shares. Given up (``gate`` abandoned: reported
+        failed, never published), the shares not yet written go back unwritten."""
         outcome = _Outcome()
         try:
             fence.wait()
@@ -318,37 +413,56 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
                 shares.release()
                 _fail(outcome, keys, [], exc)
             return outcome
-        for (group, pendings, keys, _), shares in zip(work, snapshot, strict=True):
-            try:
-                errors: Sequence[BaseException | None] = group.rank_io.write_staged(shares)
-            except Exception as exc:
-                errors = [exc] * len(pendings)
-            for key, error in zip(keys, errors, strict=True):
-                if error is None:
-                    outcome.nbytes += group.rank_io.mapping.share_bytes
-                else:
-                    _fail(outcome, [key], [], error)
+        wrote = False
+        try:
+            for (group, pendings, keys, _), shares in zip(work, snapshot, strict=True):
+                if gate.abandoned:
+                    shares.release()
+                    continue
+                wrote = True
+                try:
+                    errors: Sequence[BaseException | None] = group.rank_io.write_staged(shares)
+                except Exception as exc:
+                    errors = [exc] * len(pendings)
+                for key, error in zip(keys, errors, strict=True):
+                    if error is None:
+                        outcome.nbytes += group.rank_io.mapping.share_bytes
+                    else:
+                        _fail(outcome, [key], [], error)
+        finally:
+            if wrote:  # the store answered (a job given up while queued learned nothing)
+                self.watch.responsiveness.answered()
         return outcome
 
     # -- loads ---------------------------------------------------------------------------------
 
-    def _read(self, fence: Fence, parts: list[_Part], keys: Sequence[bytes]) -> _Outcome:
+    def _read(
+        self, fence: Fence, parts: list[_Part], keys: Sequence[bytes], gates: Gates
+    ) -> _Outcome:
+        """(job thread) Read and deliver the parts, each through its gate. A job given up
+        while it was queued reads nothing (it was reported failed)."""
         outcome = _Outcome()
+        if gates.abandoned:
+            return outcome
         try:
-            self.streams.run_after(fence, lambda: self._read_now(parts, keys, outcome))
+            self.streams.run_after(fence, lambda: self._read_now(parts, keys, outcome, gates))
         except Exception as exc:  # e.g. the device copy failed: nothing can be trusted
             outcome = _Outcome()
             for _, indices, block_ids in parts:
                 _fail(outcome, [keys[i] for i in indices], block_ids, exc)
+        finally:
+            self.watch.responsiveness.answered()
         return outcome
 
-    def _read_now(self, parts: list[_Part], keys: Sequence[bytes], outcome: _Outcome) -> None:
-        for group, indices, block_ids in parts:
+    def _read_now(
+        self, parts: list[_Part], keys: Sequence[bytes], outcome: _Outcome, gates: Gates
+    ) -> None:
+        for (group, indices, block_ids), gate in zip(parts, gates.gates, strict=True):
             if not indices:
                 continue
             hashes = [self.key_map.split(keys[i])[1] for i in indices]
             try:
-                results = group.rank_io.load(group.tensors, hashes, block_ids)
+                results = group.rank_io.load(group.tensors, hashes, block_ids, gate)
             except Exception as exc:
                 _fail(outcome, [keys[i] for i in indices], block_ids, exc)
                 continue
@@ -402,7 +516,9 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
             consequence = "reported as a failed job: the engine recomputes the request"
         else:
             consequence = "the engine recomputes them"
-        log.warning(
+        # A hung store's jobs are told once per episode (Responsiveness), not once each.
+        hung = set(outcome.causes.values()) <= {m.TIMEOUT, m.UNRESPONSIVE_REASON}
+        (log.debug if hung else log.warning)(
             "kvstore: %s job %d: %d of %d blocks failed (%s); %s",
             kind,
             job.job_id,
@@ -433,6 +549,7 @@ def build_worker(  # noqa: PLR0913 - keyword-only: each a distinct object KVStor
     store: KVStore,
     namespace: Namespace,
     threads: int,
+    deadlines: JobDeadlines,
     layer_views: Mapping[str, torch.Tensor] | None,
 ) -> KVStoreWorker:
     """Certify every offloaded group's layout for this rank and build the worker.
@@ -463,6 +580,7 @@ def build_worker(  # noqa: PLR0913 - keyword-only: each a distinct object KVStor
         streams=streams_for(device),
         threads=threads,
         resolver=BlockResolver(kv_caches),
+        deadlines=deadlines,
     )
 
 
@@ -477,13 +595,35 @@ def _perturb_pages(group: WorkerGroup, block_ids: Sequence[int]) -> None:
             tensor[rows, : mapping.page_bytes] = 0
 
 
-def _fail(outcome: _Outcome, keys: Sequence[bytes], blocks: Sequence[int], exc: Any) -> None:
+def _fail(
+    outcome: _Outcome,
+    keys: Sequence[bytes],
+    blocks: Sequence[int],
+    exc: Any,
+    cause: str | None = None,
+) -> None:
     outcome.failed_keys.extend(keys)
     outcome.failed_blocks.extend(blocks)
     outcome.reasons[_error_text(exc)] += len(keys)
-    cause = error_cause(exc)
+    cause = cause or error_cause(exc)
     for key in keys:
         outcome.causes[key] = cause
+
+
+def _failed(
+    keys: Sequence[bytes], blocks: Sequence[int], exc: BaseException, cause: str | None = None
+) -> _Outcome:
+    """A job failed as a whole: all of its blocks, with ``exc`` (and ``cause``, else the
+    cause ``exc`` tells)."""
+    outcome = _Outcome(whole_job=True)
+    _fail(outcome, keys, blocks, exc, cause)
+    return outcome
+
+
+def _unresponsive(keys: Sequence[bytes], blocks: Sequence[int]) -> _Outcome:
+    """A job failed at once, never sent to a store found unresponsive."""
+    error = StoreTimeoutError("the store is unresponsive: not tried")
+    return _failed(keys, blocks, error, m.UNRESPONSIVE_REASON)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -508,4 +648,17 @@ def _expect(kind: type[_S], spec: LoadStoreSpec) -> _S:
 def _failed_future(exc: BaseException) -> Future[_Outcome]:
     future: Future[_Outcome] = Future()
     future.set_exception(exc)
+    return future
+
+
+def _wait_until_deadline(job: _Job) -> None:
+    """Wait for ``job`` until it is done or its deadline passed."""
+    timeout = None if math.isinf(job.deadline) else max(0.0, job.deadline - time.monotonic())
+    wait_futures([job.future], timeout=timeout)
+
+
+def _done(outcome: _Outcome | None = None) -> Future[_Outcome]:
+    """A finished job (nothing for this rank to move, or failed at once)."""
+    future: Future[_Outcome] = Future()
+    future.set_result(outcome if outcome is not None else _Outcome())
     return future

@@ -105,6 +105,13 @@ class DeliveryGate:
         """Whether the caller gave up (the I/O may skip its remaining work)."""
         return self._state == self._ABANDONED
 
+    @property
+    def delivering(self) -> bool:
+        """Whether the I/O holds the claim now: its copy into the caller's memory is under
+        way. After a refused :meth:`abandon` it tells a copy in progress (wait for it) from
+        one already done (nothing more will be written)."""
+        return self._state == self._CLAIMED
+
 
 class Responsiveness:
     """Whether the store answers, as its calls see it; one log line per episode.
@@ -182,7 +189,7 @@ class Responsiveness:
         self._log.warning(
             "kvstore: the store at %s did not answer a %s within %.1f s (%s): the file "
             "system is slow or hung; calls fail fast (the engine recomputes, stores are "
-            "dropped) and one is retried every %.0f s until it answers",
+            "dropped) and one is retried every %g s until it answers",
             self.where,
             what,
             waited_s,

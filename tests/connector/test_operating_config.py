@@ -76,6 +76,10 @@ def test_the_spec_declares_every_series_and_info_label() -> None:
         m.LOOKUP_TIMEOUTS,
         m.UNRESPONSIVE,
         m.UNRESPONSIVE_SECONDS,
+        m.WORKER_UNRESPONSIVE,
+        m.WORKER_UNRESPONSIVE_SECONDS,
+        m.LATE_JOBS,
+        m.LATE_BYTES,
     }
     assert KVStoreSpec.config_info_keys(BASE) == m.CONFIG_INFO_KEYS
 
