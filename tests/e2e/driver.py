@@ -23,13 +23,18 @@ Usage::
      "env": {"KVTEST_PERTURB_LOADS": "1"},
      "batches": [[[1, 2, 3, ...], ...], "reset", ...]}  # run one after another; "reset":
                                             # llm.reset_prefix_cache(); "reset_connector":
-                                            # the same with reset_connector=True
+                                            # the same with reset_connector=True;
+                                            # {"touch": path}: create the file (tell the
+                                            # test how far the job got); {"wait_for": path,
+                                            # "timeout_s": s}: wait until the test creates it
 
 ``OUT.json``: ``{"batches": [[{"tokens": [...], "num_cached_tokens": n}, ...], ...],
 "metrics": [{...}, ...] (cumulative counters after each batch), "block_hashes": [[hex, ...],
 ...] (per prompt, in order: vLLM's hashes of its full blocks, the store's block names),
 "vllm": version, "engine_exits": {pid: exit code} (of the engine core, exited before the
-result is written), "seconds": {...}}``. ``metrics`` holds vLLM's own counters:
+result is written), "seconds": {...}, "batch_seconds": [s, ...] (wall time of each batch
+entry)}``. A ``touch`` or ``wait_for`` entry is ``{"touch": path}`` / ``{"wait_for": path}``
+in ``batches`` and contributes no block hashes. ``metrics`` holds vLLM's own counters:
 ``prefix_cache_hits`` (tokens from the engine's own prefix cache and the store),
 ``external_prefix_cache_hits`` (tokens the connector supplied), ``kv_offload_load_bytes`` /
 ``kv_offload_store_bytes``.
@@ -305,12 +310,17 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError(f"vLLM's counters do not start at 0: {at_start}")
     batches: list[Any] = []
     metrics: list[dict[str, float]] = []
+    batch_seconds: list[float] = []
     for prompts in job["batches"]:
-        if prompts in RESETS:
+        started = time.monotonic()
+        if isinstance(prompts, dict):
+            batches.append(signal_step(prompts))
+        elif prompts in RESETS:
             done = llm.reset_prefix_cache(reset_connector=prompts == "reset_connector")
             batches.append({prompts: bool(done)})
         else:
             batches.append(generate(llm, prompts, int(job.get("max_tokens", 8))))
+        batch_seconds.append(round(time.monotonic() - started, 3))
         metrics.append(read_metrics(llm))
     t2 = time.monotonic()
     engine_exits = stop_llm(llm)
@@ -323,7 +333,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         "block_hashes": [
             [h.hex() for h in block_hashes(p, block)]
             for prompts in job["batches"]
-            if prompts not in RESETS
+            if isinstance(prompts, list)
             for p in prompts
         ],
         "vllm": vllm.__version__,
@@ -333,7 +343,24 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             "generate": round(t2 - t1, 1),
             "stop": round(t3 - t2, 1),
         },
+        "batch_seconds": batch_seconds,
     }
+
+
+def signal_step(step: dict[str, Any]) -> dict[str, Any]:
+    """A batch entry that talks to the test between batches: ``{"touch": path}`` creates the
+    file; ``{"wait_for": path, "timeout_s": s}`` waits until it exists (the test acts on the
+    store meanwhile, e.g. freezes it), failing the job past the timeout."""
+    if "touch" in step:
+        Path(step["touch"]).touch()
+        return {"touched": step["touch"]}
+    path = Path(step["wait_for"])
+    deadline = time.monotonic() + float(step.get("timeout_s", 120))
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {step.get('timeout_s', 120)} s for {path}")
+        time.sleep(0.05)
+    return {"waited_for": str(path)}
 
 
 def run_isolated(job: dict[str, Any]) -> dict[str, Any]:

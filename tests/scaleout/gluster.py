@@ -40,7 +40,11 @@ every address below exists only inside these namespaces.
 time; :func:`stop` unmounts, stops the processes in these namespaces (by pid, from ``ip netns
 pids``), deletes the namespaces and the base directory. :func:`set_metadata_delay` adds a fixed
 delay to every brick LOOKUP/STAT (GlusterFS's debug/delay-gen), standing in for the network
-round trip between machines in the benchmark. ``python -m tests.scaleout.gluster
+round trip between machines in the benchmark. Faults (issue 35): :func:`frozen_brick`
+SIGSTOPs one brick process (a hung server: connections stay open, nothing answers) and always
+thaws it, :func:`ping_timeout` sets ``network.ping-timeout`` (how long clients wait for a hung
+brick before they fail its calls) and restores it, :func:`brick_holding` says which brick holds
+a file. ``python -m tests.scaleout.gluster
 start|stop|status|delay USEC`` does the same for people (``scripts/gluster_env.sh``).
 """
 
@@ -56,7 +60,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree
@@ -93,7 +97,9 @@ GLUSTER_RSYNC_HASH_REGEX = r"^\.(.+)\.[^.]+$"
 # kvstore.io.host.probe_direct_io). Options listed here are set at start and on a reused
 # environment; an option set by an earlier version of this module is reset to its default.
 VOLUME_OPTIONS: tuple[tuple[str, str], ...] = ()
-RESET_OPTIONS = ("cluster.extra-hash-regex", "network.remote-dio")
+# network.ping-timeout: set for the duration of a fault test (:func:`ping_timeout`); reset
+# here too in case that test was killed before it could restore it.
+RESET_OPTIONS = ("cluster.extra-hash-regex", "network.remote-dio", "network.ping-timeout")
 APT_PACKAGES = ("glusterfs-server", "glusterfs-client")
 TOOLS = ("glusterd", "glusterfs", "gluster", "ip", "nsenter", "mount", "umount")
 COMMAND_TIMEOUT_S = 30
@@ -445,11 +451,210 @@ def set_metadata_delay(env: GlusterEnv, usec: int, timeout_s: float = 60) -> Non
     else:
         for key in ("debug.delay-gen", "delay-gen.delay-duration", "delay-gen.enable"):
             _cli(env, "volume", "reset", VOLUME, key, check=False)
+    restart_volume(env, timeout_s)
+
+
+def restart_volume(env: GlusterEnv, timeout_s: float = 60) -> None:
+    """Stop and start the volume (its brick processes; a few seconds) and wait until both
+    nodes share it again: the FUSE clients reconnect by themselves, with fresh connections."""
     _cli(env, "volume", "stop", VOLUME)
     _cli(env, "volume", "start", VOLUME)
     deadline = time.monotonic() + timeout_s
     _wait(lambda: _bricks_online(env) == len(SERVERS), deadline, "bricks online")
     _check_shared(env, deadline)
+
+
+# -- faults: a hung brick --------------------------------------------------------------------
+
+PING_TIMEOUT = "network.ping-timeout"
+DEFAULT_PING_TIMEOUT_S = 42  # GlusterFS's value when the volume does not set it
+SIGNAL_TIMEOUT_S = 10  # for every thread of a brick process to stop, or to run again
+
+
+def brick_holding(env: GlusterEnv, relative: str | Path) -> str | None:
+    """Which server's brick ("s1", "s2") holds the data of the file ``relative`` (a path in the
+    volume, e.g. relative to a mount), None when no brick does. A DHT link file is not data:
+    it only points to the brick that holds it."""
+    for name, _ in SERVERS:
+        path = env.base / name / "brick" / relative
+        try:
+            if not stat.S_ISREG(path.lstat().st_mode):
+                continue
+            os.getxattr(path, "trusted.glusterfs.dht.linkto", follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return name  # no linkto attribute: the data itself
+    return None
+
+
+def brick_pid(env: GlusterEnv, which: str) -> int:
+    """The pid of the brick process (``glusterfsd``) of server ``which`` ("s1", "s2").
+
+    Found among the processes of the server's network namespace by its command line
+    (``--brick-name <base>/<which>/brick``), not through ``gluster volume status``: glusterd
+    asks the bricks for that, and a frozen brick never answers.
+    """
+    if which not in dict(SERVERS):
+        raise GlusterError(f"no server {which!r}: expected one of {[n for n, _ in SERVERS]}")
+    brick = str(env.base / which / "brick")
+    found = []
+    for pid in _netns_pids(f"{PREFIX}{which}"):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # exited meanwhile
+        if Path(argv[0]).name == "glusterfsd" and _option(argv, "--brick-name") == brick:
+            found.append(pid)
+    if len(found) != 1:
+        raise GlusterError(f"expected one glusterfsd for brick {brick}, found pids {found}")
+    return found[0]
+
+
+def _option(argv: Sequence[str], name: str) -> str | None:
+    """The value after ``name`` in ``argv`` (``--name value``), None when absent."""
+    for i, arg in enumerate(argv[:-1]):
+        if arg == name:
+            return argv[i + 1]
+    return None
+
+
+def _thread_states(pid: int) -> list[str]:
+    """The state letter of every thread of ``pid`` (``T``: stopped); [] once it is gone."""
+    states = []
+    for stat_file in Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            states.append(stat_file.read_text().rpartition(") ")[2][:1])
+    return states
+
+
+def freeze_brick(env: GlusterEnv, which: str) -> int:
+    """SIGSTOP the brick process of server ``which``; returns its pid once every one of its
+    threads is stopped. Its TCP connections stay open and the kernel still accepts new ones,
+    so clients see a hung server, not a dead one, until ``network.ping-timeout`` passes.
+    Always pair with :func:`thaw_brick` (or use :func:`frozen_brick`)."""
+    pid = brick_pid(env, which)
+    os.kill(pid, signal.SIGSTOP)
+    _wait(
+        lambda: all(s == "T" for s in _thread_states(pid)),
+        time.monotonic() + SIGNAL_TIMEOUT_S,
+        f"every thread of brick process {pid} ({which}) stopped",
+    )
+    return pid
+
+
+def thaw_brick(env: GlusterEnv, which: str | None = None, pid: int | None = None) -> None:
+    """SIGCONT the brick process of server ``which`` (or the process ``pid``: the one that
+    was frozen, found again without asking anything of the volume); waits until none of its
+    threads is stopped. A process that is gone is no error."""
+    if pid is None:
+        if which is None:
+            raise ValueError("thaw_brick: give which or pid")
+        pid = brick_pid(env, which)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+    _wait(
+        lambda: "T" not in _thread_states(pid),
+        time.monotonic() + SIGNAL_TIMEOUT_S,
+        f"brick process {pid} running again",
+    )
+
+
+@contextlib.contextmanager
+def frozen_brick(env: GlusterEnv, which: str) -> Iterator[int]:
+    """The brick of server ``which`` frozen (SIGSTOP) inside the block, its pid yielded; thawed
+    on every exit, an exception included: a process blocked in I/O to a stopped brick may
+    not even be killable until the brick answers (or ping-timeout passes)."""
+    pid = freeze_brick(env, which)
+    try:
+        yield pid
+    finally:
+        thaw_brick(env, pid=pid)
+
+
+def ping_timeout_s(env: GlusterEnv) -> int:
+    """The volume's ``network.ping-timeout`` in seconds (GlusterFS's default when unset)."""
+    value = _volume_option(env, PING_TIMEOUT)
+    return int(value) if value else DEFAULT_PING_TIMEOUT_S
+
+
+def set_ping_timeout(
+    env: GlusterEnv, seconds: int | None, timeout_s: float = 60, *, fresh: bool = True
+) -> None:
+    """Set ``network.ping-timeout`` (None: reset it to GlusterFS's default, 42 s) and wait until
+    both FUSE clients use it (each logs ``changing ping timeout to N`` per brick connection).
+
+    The ping timeout is how long a client waits for an answer from a brick, once it has calls
+    outstanding there, before it disconnects from it and fails those calls: it pings the brick
+    when a call is sent on an idle connection and every timeout while calls are outstanding,
+    and gives up when a ping timer expires with nothing received for the whole timeout. A
+    client applies a new value to the timers it arms from then on; a timer already armed (up
+    to the old value) still runs its course first. ``fresh`` (the default) therefore restarts
+    the volume (:func:`restart_volume`): on their new connections the clients use the new
+    value at once.
+    """
+    target = DEFAULT_PING_TIMEOUT_S if seconds is None else seconds
+    if seconds is not None and not 0 < seconds <= 1013:  # GlusterFS's accepted range
+        raise ValueError(f"ping-timeout: expected 1..1013 seconds, got {seconds}")
+    unchanged = ping_timeout_s(env) == target
+    logs = [env.base / f"node-{node.name}" / "client.log" for node in env.nodes]
+    offsets = [log.stat().st_size if log.exists() else 0 for log in logs]
+    if seconds is None:
+        _cli(env, "volume", "reset", VOLUME, PING_TIMEOUT)
+    else:
+        _cli(env, "volume", "set", VOLUME, PING_TIMEOUT, str(seconds))
+    deadline = time.monotonic() + timeout_s
+    line = f"changing ping timeout to {target} "
+    for log, offset in zip(logs, offsets, strict=True):
+        if unchanged:
+            break  # the clients reconfigure nothing and log nothing
+        _wait(
+            lambda log=log, offset=offset: _log_since(log, offset).count(line) >= len(SERVERS),
+            deadline,
+            f"{log}: {line.strip()}",
+        )
+    if fresh:
+        restart_volume(env, max(1.0, deadline - time.monotonic()))
+
+
+def _log_since(log: Path, offset: int) -> str:
+    """What ``log`` gained after byte ``offset``."""
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def ping_timeout(env: GlusterEnv, seconds: int) -> Iterator[None]:
+    """``network.ping-timeout`` set to ``seconds`` inside the block, fresh connections included
+    (:func:`set_ping_timeout`), then back to what it was (the default when it was not set),
+    on every exit. Open files on the volume across the restart are better avoided: enter
+    this before the store is opened."""
+    before = _volume_option(env, PING_TIMEOUT)
+    set_ping_timeout(env, seconds)
+    try:
+        yield
+    finally:
+        # No restart: the timers left armed with the shorter value only make a client give
+        # up sooner, and only until they next expire.
+        set_ping_timeout(env, int(before) if before else None, fresh=False)
+
+
+def wait_readable(paths: Sequence[Path], timeout_s: float) -> float:
+    """Wait until every file of ``paths`` reads whole (each try in a child process, bounded:
+    a read that hangs blocks the child, not the caller). Returns the seconds it took;
+    raises :class:`GlusterError` past ``timeout_s``."""
+    started = time.monotonic()
+    argv = ["sh", "-c", 'cat "$@" > /dev/null', "sh", *map(str, paths)]
+    _wait(
+        lambda: _timed(argv, max(1.0, timeout_s / 4)) is not None,
+        started + timeout_s,
+        f"{len(paths)} files readable",
+    )
+    return time.monotonic() - started
 
 
 # -- health and stop -------------------------------------------------------------------------
@@ -473,6 +678,7 @@ def stop(base: Path = BASE, *, keep_data: bool = False) -> None:
     ours = [ns for ns in ours if ns in existing]
     pids = [pid for ns in ours for pid in _netns_pids(ns)]
     _signal_all(pids, signal.SIGTERM)
+    _signal_all(pids, signal.SIGCONT)  # a brick left frozen by a killed fault test
     deadline = time.monotonic() + 10
     while pids and time.monotonic() < deadline:
         pids = [p for p in pids if _alive(p)]
