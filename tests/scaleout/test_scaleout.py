@@ -427,6 +427,9 @@ def test_gc_watch_on_a_while_both_nodes_write_and_b_reads(
         [
             *kvstore_bin, "gc", str(shared.a), "--max-bytes", str(budget), "--watch",
             "--interval", "0.2", "--grace", str(grace_s), "--json",
+            # The check below (the keep-2 newest blocks survive) is plain LRU to the budget;
+            # evicting ahead of the writers' rate would take up to half the budget more.
+            "--no-evict-ahead",
         ]
     )  # fmt: skip
     gc_out, gc_err = shared.local / "gc.jsonl", shared.local / "gc.stderr"
