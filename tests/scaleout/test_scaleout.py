@@ -388,6 +388,19 @@ def test_kill9_writer_on_a_while_b_reads(gluster: gl.GlusterEnv, shared: SharedR
 # -- 5. gc --watch on one node while both write and the other reads ---------------------------
 
 
+def _passes_done(out: Path) -> int:
+    """Passes ``kvstore gc --watch --json`` reported so far (one JSON line each)."""
+    text = out.read_text() if out.exists() else ""
+    return text.count("\n")
+
+
+def _wait_passes(out: Path, passes: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _passes_done(out) < passes:
+        assert time.monotonic() < deadline, f"gc --watch did not finish {passes} passes"
+        time.sleep(0.1)
+
+
 def test_gc_watch_on_a_while_both_nodes_write_and_b_reads(
     gluster: gl.GlusterEnv, shared: SharedRoot
 ) -> None:
@@ -440,7 +453,10 @@ def test_gc_watch_on_a_while_both_nodes_write_and_b_reads(
             p.go()
         for w in writers:
             w.result(timeout=120)
-        time.sleep(grace_s + 1.0)  # at least one pass after the writers, and trash expiring
+        # Two more passes: the second one started after the writers' last block (a pass on
+        # GlusterFS takes seconds on a loaded machine), and trash older than the grace expires.
+        _wait_passes(gc_out, _passes_done(gc_out) + 2, timeout_s=180)
+        time.sleep(grace_s + 1.0)
     finally:
         gc_proc.send_signal(signal.SIGTERM)  # stops after the current pass
         gc_proc.wait(timeout=60)
