@@ -28,8 +28,9 @@ and given a behaviour that is correct on all of them (docs/vllm.md, "Supported v
   ``failed_jobs`` survives its aggregation.
 * ``JobResult.deferred_release`` (0.34 tiering, :data:`TIER_DEFERS_RELEASE`): a secondary tier
   may report a failed promotion while its reads still write into the CPU tier's chunks, and
-  sets the event once they are done; vLLM holds those chunks until then. Without it (0.33) the
-  tier reports a promotion only after all of its reads ended.
+  sets the event once they are done; vLLM holds those chunks until then. Without it (0.33) a
+  promotion reads into the tier's own buffer and copies into the chunks only while its deadline
+  has not passed (:mod:`connector.tier.jobs`), so a late read never touches them.
 * ``num_hash_lookahead_tokens`` (0.34, :func:`hash_lookahead_tokens`): with speculative
   decoding vLLM may hash tokens past each block into its hash, so such keys only match servers
   with the same lookahead; it is part of the namespace identity when > 0.

@@ -32,6 +32,7 @@ refused at startup by :func:`build_chunk_map` with a :class:`kvstore.ConfigError
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -140,17 +141,38 @@ def _unit_plan(group: GroupChunks, row_bytes: int) -> _UnitPlan:
     )
 
 
+@dataclass(frozen=True)
+class _RowSpan:
+    """The bytes ``[lo, hi)`` of a row a strided store view reads, and that view over a copy
+    of them (its source starting at 0)."""
+
+    lo: int
+    hi: int
+    view: StridedCopy
+
+    @classmethod
+    def of(cls, strided: StridedCopy | None) -> _RowSpan | None:
+        if strided is None:
+            return None
+        last = sum((n - 1) * s for n, s in zip(strided.shape, strided.src_strides, strict=True))
+        lo = strided.src_start * strided.unit
+        hi = (strided.src_start + last + 1) * strided.unit
+        return cls(lo, hi, dataclasses.replace(strided, src_start=0))
+
+
 class ChunkMap:
     """Moves chunks between the primary rows and canonical blocks, per stored group array.
 
     Where an array's plan is an axis permutation (every layout vLLM produces so far), a move
     is one strided copy per block (:mod:`connector.tier.strided`: no index tensor, the GIL
-    released, no OpenMP team left spinning) and a store of an identity plan copies nothing:
-    its blocks are slices of the rows, written from the shared memory as vLLM's fs tier
-    writes (vLLM keeps a chunk pinned until its store job is reported); where the plan's runs
-    are whole inner chunks (HND pages), :meth:`source_views` hands the store the strided views
-    themselves, which it writes as pieces without a copy. Otherwise a move is one vectorised
-    index copy over the plan's units."""
+    released, no OpenMP team left spinning); where the plan's runs are whole inner chunks
+    (HND pages), a store copies each row's span contiguously instead and hands the store
+    strided views of the copy (:meth:`source_views`), which it writes as pieces without a
+    gather. Otherwise a move is one vectorised index copy over the plan's units.
+
+    A store always copies out of the rows before its file I/O (and a load the tier may give
+    up on copies into them after): vLLM reuses a chunk once its job is reported, and a job
+    is reported failed at its deadline while its I/O may still hang (docs/vllm.md)."""
 
     def __init__(self, rows: torch.Tensor, groups: Sequence[GroupChunks]) -> None:
         self.groups = tuple(groups)
@@ -158,15 +180,11 @@ class ChunkMap:
         self._rows = rows  # (num_chunks, row_bytes) uint8 over the shared region
         self._row_array = rows.numpy()  # the same memory, for the strided copies
         self._plans = [_unit_plan(g, self._row_bytes) for g in self.groups]
+        self._spans = [_RowSpan.of(p.store) for p in self._plans]
 
     def _units(self, tensor: torch.Tensor, plan: _UnitPlan) -> torch.Tensor:
         """A dense uint8 tensor as ``(bytes / unit, unit / width)`` elements of ``plan.dtype``."""
         return tensor.view(plan.dtype).reshape(-1, plan.unit // plan.width)
-
-    def copies_on_store(self, array: int) -> bool:
-        """Whether a store of ``array`` copies its blocks (False: written from the rows)."""
-        plan = self._plans[array].store
-        return plan is None or not plan.is_identity
 
     def stores_in_place(self, array: int, chunk_nbytes: int) -> bool:
         """Whether stores of ``array`` can hand the store its blocks as strided views of the
@@ -187,14 +205,28 @@ class ChunkMap:
             return False  # runs that split chunks: the block is gathered
         return pieces is not None
 
-    def source_views(self, array: int, chunk_ids: Sequence[int]) -> list[np.ndarray]:
-        """The canonical blocks of ``chunk_ids`` as strided views of their rows, no copy
-        (C order reads as the block; valid while vLLM keeps the chunks pinned): for arrays
-        whose :meth:`stores_in_place` is True."""
-        strided = self._plans[array].store
-        if strided is None:
+    def source_views(
+        self, array: int, chunk_ids: Sequence[int], out: torch.Tensor
+    ) -> list[np.ndarray]:
+        """The canonical blocks of ``chunk_ids`` as strided views (C order reads as the block)
+        of copies of their rows in ``out``, for arrays whose :meth:`stores_in_place` is True:
+        one contiguous copy of the span of each row the view reads, into ``out`` (a dense
+        uint8 buffer of at least ``len(chunk_ids) * source_span_bytes(array)`` bytes), then
+        the same pieces as the row's own view, which the store writes without a gather. A copy:
+        a store that outlives its deadline reads only ``out``, never rows vLLM reuses."""
+        span = self._spans[array]
+        if span is None:
             raise ValueError(f"array {array}: its blocks are gathered by index, not viewed")
-        return [strided.source_view(self._row_array[int(c)]) for c in chunk_ids]
+        size = span.hi - span.lo
+        copies = out.reshape(-1)[: len(chunk_ids) * size].numpy().reshape(len(chunk_ids), size)
+        for j, c in enumerate(chunk_ids):
+            np.copyto(copies[j], self._row_array[int(c), span.lo : span.hi])
+        return [span.view.source_view(copies[j]) for j in range(len(chunk_ids))]
+
+    def source_span_bytes(self, array: int) -> int:
+        """Bytes of each row :meth:`source_views` copies."""
+        span = self._spans[array]
+        return 0 if span is None else span.hi - span.lo
 
     def loads_in_place(self, array: int, chunk_nbytes: int | None) -> bool:
         """Whether loads of ``array`` can read blocks straight into the rows
@@ -232,25 +264,19 @@ class ChunkMap:
         return [strided.destination_view(self._row_array[int(c)]) for c in chunk_ids]
 
     def to_blocks(
-        self, array: int, chunk_ids: Sequence[int], out: torch.Tensor | None
+        self, array: int, chunk_ids: Sequence[int], out: torch.Tensor
     ) -> list[np.ndarray]:
-        """The canonical blocks of ``chunk_ids`` (rows of group array ``array``), one flat
-        uint8 array of ``block_bytes`` each: slices of the rows themselves when the array's
-        plan is the identity (valid while vLLM keeps the chunks pinned), else gathered into
-        ``out`` (a dense uint8 buffer of at least ``len(chunk_ids) * block_bytes`` bytes,
-        reused across jobs: fresh memory costs a page fault per 4 KiB; None only where
-        :meth:`copies_on_store` is False)."""
+        """The canonical blocks of ``chunk_ids`` (rows of group array ``array``), gathered into
+        ``out`` (a dense uint8 buffer of at least ``len(chunk_ids) * block_bytes`` bytes, reused
+        across jobs: fresh memory costs a page fault per 4 KiB), one flat uint8 array of
+        ``block_bytes`` each. Always a copy, even where the block is one run of its row (the
+        identity plan): a store that outlives its deadline reads only ``out``."""
         plan = self._plans[array]
         block_bytes = self.groups[array].block_bytes
         ids = [int(c) for c in chunk_ids]
-        strided = plan.store
-        if strided is not None and strided.is_identity:
-            start = strided.src_start * plan.unit
-            return [self._row_array[c, start : start + block_bytes] for c in ids]
-        if out is None:
-            raise ValueError(f"array {array}: its blocks are gathered, expected a buffer")
         flat = out.reshape(-1)[: len(ids) * block_bytes]
         staged = flat.numpy().reshape(len(ids), block_bytes)
+        strided = plan.store
         if strided is not None:
             for j, c in enumerate(ids):
                 strided.copy(staged[j], self._row_array[c])

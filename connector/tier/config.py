@@ -15,6 +15,7 @@ verified, so a block lost or torn by a power failure is a miss, never a wrong pa
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,8 @@ from kvstore.config import Durability
 # The tier's durability default (the store's own default, "full", is the direct connector's).
 TIER_DURABILITY: Durability = "none"
 LOCALITIES = ("LOCAL", "REMOTE")
+# Settings in seconds that must be > 0 (a deadline of 0 would fail every call).
+DEADLINE_KEYS = ("lookup_deadline_s", "load_deadline_s", "store_deadline_s", "unresponsive_retry_s")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,25 @@ class TierConfig:
     # Emit vLLM KV events (BlockStored, medium STORAGE) for blocks this tier stored, as vLLM's
     # fs tier does; effective only with vLLM's KV cache events enabled (--kv-events-config).
     enable_kv_events: bool = False
+    # Deadlines (a slow or hung file system never stalls the engine; the direct connector's
+    # names and meanings). Seconds an existence probe may take before its keys are answered
+    # miss (vLLM recomputes them) and the store counts as unresponsive.
+    lookup_deadline_s: float = 2.0
+    # Seconds a promotion job may take from its submission, plus its bytes at
+    # deadline_min_mb_per_s: past it the job is reported failed (vLLM recomputes) and a late
+    # read never writes into the CPU tier's chunks vLLM reuses.
+    load_deadline_s: float = 5.0
+    # The same for a store (cascade) job: past it the job is reported failed (vLLM's
+    # backpressure counts it) and the write goes on from the tier's own copy of the rows.
+    store_deadline_s: float = 30.0
+    # Floor rate (MB/s, 10^6 bytes) of the size allowance: a job moving N bytes may take
+    # N / rate seconds more, so a large promotion on slow but working storage is not cut
+    # short. 0 = none.
+    deadline_min_mb_per_s: float = 100.0
+    # While the store is unresponsive (a call past its deadline, none returned since), lookups
+    # are misses and jobs fail at once, except one trial job at a time, at most one per this
+    # many seconds.
+    unresponsive_retry_s: float = 5.0
 
     def __post_init__(self) -> None:
         check_fields(
@@ -67,6 +89,9 @@ class TierConfig:
             ),
             bools=("default_backpressure", "enable_kv_events"),
         )
+        for name in DEADLINE_KEYS:
+            _check_number(name, getattr(self, name), "seconds", positive=True)
+        _check_number("deadline_min_mb_per_s", self.deadline_min_mb_per_s, "MB/s", positive=False)
         if self.locality and self.locality.upper() not in LOCALITIES:
             raise ConfigError(
                 f"locality: expected one of {list(LOCALITIES)}, got {self.locality!r}"
@@ -99,3 +124,16 @@ class TierConfig:
             if name in options
         }
         return dataclasses.replace(defaults, **values)
+
+
+def _check_number(name: str, value: object, unit: str, *, positive: bool) -> None:
+    """:class:`ConfigError` unless ``value`` is a finite number, > 0 (``positive``) or >= 0."""
+    valid = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > 0 if positive else value >= 0)
+    )
+    if not valid:
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"{name}: expected a number of {unit} {bound}, got {value!r}")

@@ -14,23 +14,49 @@ once (tiering/base.py):
   otherwise vLLM's async lookup (:class:`connector.tier.lookup.StoreProbe`): RETRY while the
   batched existence probe runs, then its verdict;
 * ``submit_store`` / ``submit_load``: queue the job on the store / load threads
-  (:class:`connector.tier.jobs.JobRunner`); a store publishes the chunks' canonical blocks
+  (:class:`connector.tier.jobs.JobRunner`); a store copies the chunks out of the rows into its
+  thread's staging buffer (a contiguous copy of each row's span, written as pieces, where the
+  canonical chunks are whole runs of the row: :meth:`ChunkMap.source_views`; otherwise a
+  gather into canonical blocks) and publishes their canonical blocks
   (:meth:`kvstore.GroupStore.write_blocks`: checksums, atomic rename, fsync per
-  ``durability``), as strided views of the rows where their runs are whole inner chunks of
-  a raw dense array (:data:`STORE_FROM_ROWS`: no gather), otherwise gathered; a load reads
-  and verifies them (:meth:`kvstore.GroupStore.read_blocks`) straight into the chunk rows
-  where each canonical byte has one place there (:data:`LOAD_INTO_ROWS`), otherwise into a
-  staging buffer, then scatters the hits into the rows;
+  ``durability``); a load reads and verifies them (:meth:`kvstore.GroupStore.read_blocks`)
+  into a staging buffer, then scatters the hits into the rows, or, on vLLM 0.34, straight into
+  the rows where each canonical byte has one place there (:data:`LOAD_INTO_ROWS`);
 * ``get_finished_jobs``: the outcomes. A block that is missing, corrupt (quarantined by the
   store), or unreadable fails its promotion, and only that key becomes a miss
   (``successful_keys`` keeps the others); a failed write fails its store job. On vLLM 0.34 a
   failed promotion is reported as soon as every part before its first failed one has ended
-  (:class:`connector.tier.jobs.JobRunner`, ``early_failures``); the parts still reading are
-  cut short, and ``JobResult.deferred_release`` is set once they have ended, so vLLM keeps
-  their CPU chunks out of its free pool until kvstore no longer writes into them. Nothing raises
-  into vLLM: vLLM recomputes, and its backpressure detector (``on_store_failed``, store
-  latency) drops stores while the store is slow or full (see ``default_backpressure`` in
+  (:class:`connector.tier.jobs.JobRunner`, early failures). Nothing raises into vLLM: vLLM
+  recomputes, and its backpressure detector (``on_store_failed``, store latency) drops stores
+  while the store is slow or full (see ``default_backpressure`` in
   :mod:`connector.tier.config`).
+
+**A slow or hung file system never stalls the engine** (:mod:`connector.tier.health`). vLLM
+waits for a lookup's verdict and a promotion's outcome; both are bounded:
+
+* a probe not answered within ``lookup_deadline_s`` answers its keys miss and starts an
+  *unresponsive* episode (one warning); during it every lookup is a miss at once (keys this
+  tier knows present too: their promotion would fail) and no probe is started;
+* a job not done within ``load_deadline_s`` / ``store_deadline_s`` (plus its bytes at
+  ``deadline_min_mb_per_s``) from its submission is reported failed (vLLM recomputes; the
+  backpressure detector counts the failed store), a call of it still in the file system past
+  the deadline of its own bytes starts an episode; during an episode new jobs fail at once
+  (stores are dropped) but for one trial job every ``unresponsive_retry_s``; the first call that
+  returns ends it (one more line);
+* vLLM reuses a chunk once its job is reported, so no I/O of a job reported failed may touch
+  the rows: each part copies into or out of them only under its gate
+  (:class:`kvstore.io.deadline.DeliveryGate`, see :mod:`connector.tier.jobs`). Stores copy
+  the rows before their I/O, so a late write reads only the tier's copy. Loads on vLLM 0.33
+  read into the tier's staging buffer and copy into the rows only once the gate is claimed:
+  a late read is dropped. On vLLM 0.34 a load reads straight into the rows where it can, and a
+  promotion reported failed while such a read hangs carries ``JobResult.deferred_release``:
+  vLLM keeps those chunks out of its free pool until the read has ended (``drain_jobs``, at a
+  cache reset, waits for it);
+* the threads never grow: a fixed few per kind, and a job queued behind stuck ones fails at
+  its deadline and does no I/O when it finally runs.
+
+Counters and gauges (``vllm:kvstore_tier_*``, :func:`connector.tier.health.metric_definitions`)
+go out through vLLM's ``get_stats`` of the tier; :meth:`KVStoreTier.stats` has them as a dict.
 
 The engine facts the namespace identity needs (hash algorithm, KV heads, group kinds) come from
 :class:`connector.KVStoreConnector`, as for the direct connector: load the
@@ -43,16 +69,20 @@ import functools
 import logging
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -71,10 +101,19 @@ from connector.identity import GROUP_ID_BYTES, derive_identity
 from connector.keys import parent_key
 from connector.tier.chunks import ChunkGeometry, ChunkMap, build_chunk_map, rows_of
 from connector.tier.config import TierConfig
-from connector.tier.jobs import JobRunner, Outcome
+from connector.tier.health import (
+    DEADLINE,
+    UNRESPONSIVE,
+    LateIO,
+    Op,
+    TierHealth,
+    metric_definitions,
+)
+from connector.tier.jobs import LOAD, NOTHING, STORE, Finished, JobRunner, Outcome, Part
 from connector.tier.lookup import StoreProbe, split_key
 from kvstore import BlockRead, BlockWrite, ConfigError, GroupStore, WriteStatus
 from kvstore.io.buffers import aligned_buffer
+from kvstore.io.deadline import DeliveryGate
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -86,18 +125,21 @@ log = logging.getLogger("kvstore.connector")
 # thread's staging buffer.
 JOB_BATCH = 32
 
-# Stores hand the store strided views of the rows (pieces, no gather) where they apply
-# (:func:`_in_place`); the bytes on disk are the gathered ones (tests/connector/
-# test_tier_chunks.py). On since the pieces' geometry is cached per view shape (a block costs
-# a lookup, one span and one zip of cached offsets and slices, ~35 us for llama-8B's 256
-# pieces, was ~95). llama-3.1-8b 16-token blocks through vLLM's TieringOffloadingManager,
-# store on tmpfs, three runs of 5 rounds alternating fs / gathered / from the rows: median
-# store CPU s/GB 0.94-1.05 from the rows vs 1.08-1.11 gathered, GB/s 1.65-1.83 vs 1.64-1.68.
-# Off: every store is gathered (kept for A/B runs).
-STORE_FROM_ROWS = True
+# Stores hand the store strided views (pieces, no gather) of a contiguous copy of each row's
+# span where they apply (:func:`_in_place`); the bytes on disk are the gathered ones
+# (tests/connector/test_tier_chunks.py). The copy is the price of the store deadline: a store
+# reported failed may still be writing, and vLLM reuses its chunks (there is no deferred
+# release for cascades). llama-3.1-8b 16-token blocks through vLLM's TieringOffloadingManager
+# (the tier suite's store phase), 0.25 GiB on tmpfs, 2-core VM under load, two runs of 6
+# rounds alternating in one process (first round dropped: fresh buffers fault): median store
+# CPU 0.90 / 0.99 s/GB writing from the rows themselves (the path before deadlines), 1.23 /
+# 1.17 from the copy, 1.45 gathered (first run); store GB/s moved 0.3-2.2 between rounds.
 
 # Promotions read and verify blocks straight into the rows where the load plan allows it
-# (:func:`_loads_in_place`); off: every load is staged, then scattered (kept for A/B runs).
+# (:func:`_loads_in_place`) and vLLM can hold the chunks of a promotion that failed while such
+# a read still runs (0.34's deferred release); otherwise (vLLM 0.33, or off: kept for A/B
+# runs) every load is staged, then scattered under its gate, so a late read never reaches
+# the rows.
 LOAD_INTO_ROWS = True
 
 
@@ -164,18 +206,24 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             self.store.close()
             raise
         self.tokens_per_block = self.identity.tokens_per_block
-        self._group_suffixes = frozenset(
-            g.to_bytes(GROUP_ID_BYTES, "big") for g in self.key_map.group_ids
-        )
+        # a key's group id suffix -> the bytes of its canonical block (deadlines by size)
+        self._block_bytes = {
+            g.to_bytes(GROUP_ID_BYTES, "big"): self.chunks.groups[a].block_bytes
+            for a, g in enumerate(self.key_map.group_ids)
+        }
         self._present: OrderedDict[bytes, None] = OrderedDict()
         self._jobs_keys: dict[int, tuple[list[bytes], bool]] = {}  # job id -> (keys, is_load)
-        self._probe = StoreProbe(self.namespace, self.key_map, tier_type)
+        self._health = TierHealth(self.options, str(self.store.root))
+        self._probe = StoreProbe(self.namespace, self.key_map, tier_type, self._health)
         self._runner = JobRunner(
             self.options.load_threads,
             self.options.store_threads,
-            early_failures=compat.TIER_DEFERS_RELEASE,
+            defers_release=compat.TIER_DEFERS_RELEASE,
         )
-        self._staging = threading.local()  # per job thread: a reused block buffer
+        # (release event, chunks) of promotions reported failed while a read into their
+        # chunks still ran (vLLM 0.34): what vLLM holds for late reads
+        self._held: list[tuple[threading.Event, int]] = []
+        self._staging = threading.local()  # per job thread: a reused staging buffer
         self._events: list[OffloadingEvent] | None = None
         if self.options.enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
@@ -197,7 +245,10 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         k = bytes(key)
-        if k[-GROUP_ID_BYTES:] not in self._group_suffixes:  # a group this namespace lacks
+        if k[-GROUP_ID_BYTES:] not in self._block_bytes:  # a group this namespace lacks
+            return LookupResult.MISS
+        if self._hung():  # even a key known present: its promotion would fail
+            self._health.count("lookup", UNRESPONSIVE, 1)
             return LookupResult.MISS
         if k in self._present:
             self._present.move_to_end(k)
@@ -221,60 +272,100 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = [bytes(k) for k in job_metadata.keys]
         chunk_ids = [int(c) for c in job_metadata.chunk_ids]
+        job_id = job_metadata.job_id
+        self._jobs_keys[job_id] = (keys, False)
+        writes = any(k not in self._present for k in keys)  # else it needs no call
+        if writes and not self._admit():
+            self._refuse(job_id, "store", keys)
+            return
         parents = self._parents(keys, job_metadata.req_context)
-        self._jobs_keys[job_metadata.job_id] = (keys, False)
         parts = [
-            functools.partial(self._store_blocks, keys[b], chunk_ids[b], parents[b])
+            self._part(
+                functools.partial(self._store_blocks, keys[b], chunk_ids[b], parents[b]), keys[b]
+            )
             for b in _slices(len(keys))
         ]
-        self._runner.submit(job_metadata.job_id, False, parts)
+        self._runner.submit(job_id, STORE, parts, self._health.deadlines["store"])
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = [bytes(k) for k in job_metadata.keys]
         chunk_ids = [int(c) for c in job_metadata.chunk_ids]
-        self._jobs_keys[job_metadata.job_id] = (keys, True)
-        slices = _slices(len(keys))
-        parts = [functools.partial(self._load_blocks, keys[b], chunk_ids[b]) for b in slices]
-        part_keys = [frozenset(keys[b]) for b in slices]
-        self._runner.submit(job_metadata.job_id, True, parts, part_keys)
+        job_id = job_metadata.job_id
+        self._jobs_keys[job_id] = (keys, True)
+        if not self._admit():
+            self._refuse(job_id, "load", keys)
+            return
+        parts = [
+            self._part(functools.partial(self._load_blocks, keys[b], chunk_ids[b]), keys[b])
+            for b in _slices(len(keys))
+        ]
+        self._runner.submit(job_id, LOAD, parts, self._health.deadlines["load"])
+
+    def _part(self, run: Callable[[DeliveryGate], Outcome], keys: Sequence[bytes]) -> Part:
+        return Part(run, frozenset(keys), self._nbytes(keys))
+
+    def _refuse(self, job_id: int, op: Op, keys: Sequence[bytes]) -> None:
+        """Fail a job at once, without a call: the store is unresponsive (a store is dropped,
+        a promotion recomputed; vLLM's backpressure counts a failed store)."""
+        self._health.count(op, UNRESPONSIVE, len(keys))
+        self._runner.refuse(job_id, keys)
+
+    def _hung(self) -> bool:
+        """Whether the store is unresponsive. A job's call in the file system past the
+        deadline of its bytes starts the episode here, whenever the tier is next asked:
+        vLLM polls no job while it idles, once the job itself was reported."""
+        for kind, waited in self._runner.overdue_calls():
+            self._health.timed_out(kind, waited)
+        return self._health.hung
+
+    def _admit(self) -> bool:
+        """Whether a new job may go to the store (during an episode: a trial)."""
+        self._hung()
+        return self._health.responsiveness.admit()
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        results = []
-        for finished in self._runner.finished():
-            keys, is_load = self._jobs_keys.pop(finished.job_id)
-            outcome = finished.outcome
-            ok, cut_short = outcome.ok_keys, finished.cut_short
-            failed = [k for k in keys if k not in ok]
-            for k in keys:
-                if k in ok:
-                    self._remember(k)
-                elif k not in cut_short:  # found bad; a key cut short may well be there
-                    self._present.pop(k, None)
-            partial = None
-            if not is_load and self._events is not None and ok:
-                stored = [OffloadKey(k) for k in keys if k in ok]
-                self._events.append(
-                    OffloadingEvent(
-                        keys=stored, medium=self.medium, removed=False, locality=self.locality
-                    )
-                )
-            if is_load and failed:
-                self._probe.mark_miss([OffloadKey(k) for k in failed if k not in cut_short])
-                kept = [OffloadKey(k) for k in keys if k in ok]
-                partial = tuple(kept) if kept else None
-            # vLLM 0.34: chunks of a failed promotion stay held until the reads cut short end.
-            release = {"deferred_release": finished.release} if finished.release else {}
-            results.append(
-                JobResult(
-                    job_id=finished.job_id,
-                    success=not failed,
-                    successful_keys=partial,
-                    transfer_time=finished.seconds,
-                    transfer_bytes=outcome.nbytes or None,
-                    **release,
+        self._hung()
+        self._held = [(event, n) for event, n in self._held if not event.is_set()]
+        return [self._result(finished) for finished in self._runner.finished()]
+
+    def _result(self, finished: Finished) -> JobResult:
+        """vLLM's result of a finished job; what it tells about its keys is remembered."""
+        keys, is_load = self._jobs_keys.pop(finished.job_id)
+        outcome = finished.outcome
+        ok, cut_short = outcome.ok_keys, finished.cut_short
+        failed = [k for k in keys if k not in ok]
+        for k in keys:
+            if k in ok:
+                self._remember(k)
+            elif k not in cut_short:  # found bad; a key cut short may well be there
+                self._present.pop(k, None)
+        if finished.timed_out:
+            self._health.count("load" if is_load else "store", DEADLINE, len(failed))
+        partial = None
+        if not is_load and self._events is not None and ok:
+            stored = [OffloadKey(k) for k in keys if k in ok]
+            self._events.append(
+                OffloadingEvent(
+                    keys=stored, medium=self.medium, removed=False, locality=self.locality
                 )
             )
-        return results
+        if is_load and failed:
+            self._probe.mark_miss([OffloadKey(k) for k in failed if k not in cut_short])
+            kept = [OffloadKey(k) for k in keys if k in ok]
+            partial = tuple(kept) if kept else None
+        # vLLM 0.34: chunks of a failed promotion stay held until the reads into them end.
+        release = {}
+        if finished.release is not None:
+            release = {"deferred_release": finished.release}
+            self._held.append((finished.release, len(failed)))
+        return JobResult(
+            job_id=finished.job_id,
+            success=not failed,
+            successful_keys=partial,
+            transfer_time=finished.seconds,
+            transfer_bytes=outcome.nbytes or None,
+            **release,
+        )
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """BlockStored events of finished store jobs (``enable_kv_events``)."""
@@ -284,7 +375,34 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         return events
 
     def drain_jobs(self) -> None:
+        """Block until every job is reported and no I/O touches the rows any more: bounded
+        by the deadlines, except (vLLM 0.34) a read into the rows of a promotion reported
+        failed, which vLLM's contract makes this wait for (its release set)."""
         self._runner.wait_idle()
+
+    def stats(self) -> dict[str, float]:
+        """The tier's deadline counters and what late I/O holds (the values of
+        :meth:`get_stats`' series, as totals since start)."""
+        self._hung()
+        return self._health.snapshot(self._late_io())
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """The ``vllm:kvstore_tier_*`` series (:mod:`connector.tier.health`)."""
+        return metric_definitions()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """What changed since the last call (vLLM merges it into the tiering manager's)."""
+        self._hung()
+        stats = OffloadingConnectorStats()
+        return stats if self._health.take_stats(stats, self._late_io()) else None
+
+    def _late_io(self) -> LateIO:
+        """(any thread) What the I/O of jobs already reported still holds."""
+        parts, nbytes = self._runner.late()
+        return LateIO(parts, nbytes, sum(n for event, n in self._held if not event.is_set()))
 
     def shutdown(self) -> None:
         self._probe.shutdown()
@@ -295,74 +413,152 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
     # -- the job functions (job threads) -------------------------------------------------------
 
     def _store_blocks(
-        self, keys: Sequence[bytes], chunk_ids: Sequence[int], parents: Sequence[bytes | None]
+        self,
+        keys: Sequence[bytes],
+        chunk_ids: Sequence[int],
+        parents: Sequence[bytes | None],
+        gate: DeliveryGate,
     ) -> Outcome:
         """(one part of a store job) Publish the canonical blocks of the chunks; the keys
         written or already present.
 
-        A failed write is logged by the store (one line per batch, with the first error) and
+        The chunks are copied out of the rows first, under ``gate`` (not at all if the job was
+        given up on before), into this thread's staging buffer: a write that outlives the
+        job's deadline reads only that copy, whatever vLLM puts in the rows meanwhile. A
+        failed write is logged by the store (one line per batch, with the first error) and
         leaves the key out: the job fails, and vLLM's backpressure counts it."""
-        ok: set[bytes] = set()
-        nbytes = 0
-        for array, items in _by_array(self.key_map, keys).items():
-            ok.update(keys[i] for i, _ in items if keys[i] in self._present)
-            todo = [(i, h) for i, h in items if keys[i] not in self._present]
-            if not todo:
-                continue
-            ids = [chunk_ids[i] for i, _ in todo]
-            blocks: Sequence[np.ndarray]
-            if self._in_place[array]:
-                blocks = self.chunks.source_views(array, ids)
-            else:
-                copies = self.chunks.copies_on_store(array)
-                staging = self._buffer(len(todo), array) if copies else None
-                blocks = self.chunks.to_blocks(array, ids, staging)
-            writes = [BlockWrite(h, blocks[j], parents[i]) for j, (i, h) in enumerate(todo)]
-            results = self.namespace.group(array).write_blocks(writes)
-            for (i, _), result in zip(todo, results, strict=True):
+        ok = {k for k in keys if k in self._present}
+        todo = {
+            array: [(i, h) for i, h in items if keys[i] not in ok]
+            for array, items in _by_array(self.key_map, keys).items()
+        }
+        todo = {array: items for array, items in todo.items() if items}
+        if not todo:
+            return Outcome(frozenset(ok), 0)
+        if not gate.claim():  # cut short before it read the rows: no copy, no write
+            return NOTHING
+        try:
+            blocks = self._copy_out(todo, chunk_ids)
+        finally:
+            gate.release()
+        stored: list[bytes] = []
+        for array, items in todo.items():
+            writes = [BlockWrite(h, blocks[array][j], parents[i]) for j, (i, h) in enumerate(items)]
+            results = self._call(self.namespace.group(array).write_blocks, writes)
+            for (i, _), result in zip(items, results, strict=True):
                 if result.status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
-                    ok.add(keys[i])
-                    nbytes += self.chunks.groups[array].block_bytes
-        return Outcome(frozenset(ok), nbytes)
+                    stored.append(keys[i])
+        return Outcome(frozenset(ok.union(stored)), self._nbytes(stored))
 
-    def _load_blocks(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> Outcome:
+    def _copy_out(
+        self, todo: dict[int, list[tuple[int, bytes]]], chunk_ids: Sequence[int]
+    ) -> dict[int, list[np.ndarray]]:
+        """Copy the chunks of ``todo`` (per array: positions in ``chunk_ids`` and hashes) out
+        of the rows into this thread's staging buffer; per array, the blocks as the store
+        takes them (views of row copies, written as pieces, or gathered canonical blocks)."""
+        chunks = self.chunks
+        size = {
+            a: chunks.source_span_bytes(a) if self._in_place[a] else chunks.groups[a].block_bytes
+            for a in todo
+        }
+        buffer = self._buffer(sum(len(items) * size[a] for a, items in todo.items()))
+        blocks: dict[int, list[np.ndarray]] = {}
+        offset = 0
+        for array, items in todo.items():
+            out = buffer[offset : offset + len(items) * size[array]]
+            offset += len(items) * size[array]
+            copy = chunks.source_views if self._in_place[array] else chunks.to_blocks
+            blocks[array] = copy(array, [chunk_ids[i] for i, _ in items], out)
+        return blocks
+
+    def _load_blocks(
+        self, keys: Sequence[bytes], chunk_ids: Sequence[int], gate: DeliveryGate
+    ) -> Outcome:
         """(one part of a promotion job) Read and verify the blocks into their chunk rows;
-        the keys that arrived."""
-        ok: set[bytes] = set()
-        nbytes = 0
-        for array, items in _by_array(self.key_map, keys).items():
-            block_bytes = self.chunks.groups[array].block_bytes
-            if self._loads_in_place[array]:
-                # Straight into the rows: a block that fails leaves its row partly written,
-                # which nothing reads: vLLM frees the chunks of failed promotion keys
-                # (TieringOffloadingManager._complete_promotion: complete_write(..., False)).
-                views = self.chunks.destination_views(array, [chunk_ids[i] for i, _ in items])
-                reads = [BlockRead(h, views[j]) for j, (_, h) in enumerate(items)]
-                results = self.namespace.group(array).read_blocks(reads)
-                arrived = [keys[items[j][0]] for j, r in enumerate(results) if r.ok]
-                ok.update(arrived)
-                nbytes += len(arrived) * block_bytes
-                continue
-            blocks = self._buffer(len(items), array)[: len(items) * block_bytes]
-            blocks = blocks.view(len(items), block_bytes)
-            reads = [BlockRead(h, blocks[j].numpy()) for j, (_, h) in enumerate(items)]
-            results = self.namespace.group(array).read_blocks(reads)
-            hits = [j for j, r in enumerate(results) if r.ok]
-            if not hits:
-                continue
-            rows = [chunk_ids[items[j][0]] for j in hits]
-            self.chunks.from_blocks(array, blocks[hits] if len(hits) < len(items) else blocks, rows)
-            ok.update(keys[items[j][0]] for j in hits)
-            nbytes += len(hits) * block_bytes
-        return Outcome(frozenset(ok), nbytes)
+        the keys that arrived.
 
-    def _buffer(self, count: int, array: int) -> torch.Tensor:
-        """This job thread's staging buffer for ``count`` blocks of ``array`` (grown, kept)."""
-        need = count * self.chunks.groups[array].block_bytes
+        Nothing reaches the rows without ``gate``: blocks read straight into the rows (vLLM
+        0.34) claim it before the read, staged blocks after theirs, before the scatter. A
+        part given up on before its claim leaves the rows untouched (what it read stays in
+        this thread's buffer). A block that fails leaves its row partly written, which
+        nothing reads: vLLM frees the chunks of failed promotion keys
+        (TieringOffloadingManager._complete_promotion: complete_write(..., False))."""
+        by_array = _by_array(self.key_map, keys)
+        into_rows = any(self._loads_in_place[a] for a in by_array)
+        if gate.abandoned or (into_rows and not gate.claim()):  # cut short: no read
+            return NOTHING
+        ok: set[bytes] = set()
+        for array, items in by_array.items():
+            if self._loads_in_place[array]:
+                ok.update(self._read_into_rows(array, items, keys, chunk_ids))
+        staged = {a: items for a, items in by_array.items() if not self._loads_in_place[a]}
+        scatters = self._read_staged(staged, keys, chunk_ids)
+        if scatters and not into_rows and not gate.claim():  # given up while it read
+            return NOTHING
+        for array, blocks, rows, arrived in scatters:
+            self.chunks.from_blocks(array, blocks, rows)
+            ok.update(arrived)
+        gate.release()
+        return Outcome(frozenset(ok), self._nbytes(ok))
+
+    def _read_into_rows(
+        self,
+        array: int,
+        items: Sequence[tuple[int, bytes]],
+        keys: Sequence[bytes],
+        chunk_ids: Sequence[int],
+    ) -> list[bytes]:
+        """Read and verify blocks of ``array`` straight into their rows; the keys that
+        arrived."""
+        views = self.chunks.destination_views(array, [chunk_ids[i] for i, _ in items])
+        reads = [BlockRead(h, views[j]) for j, (_, h) in enumerate(items)]
+        results = self._call(self.namespace.group(array).read_blocks, reads)
+        return [keys[i] for (i, _), r in zip(items, results, strict=True) if r.ok]
+
+    def _read_staged(
+        self,
+        staged: dict[int, list[tuple[int, bytes]]],
+        keys: Sequence[bytes],
+        chunk_ids: Sequence[int],
+    ) -> list[tuple[int, torch.Tensor, list[int], list[bytes]]]:
+        """Read and verify blocks into this thread's staging buffer; per array with hits,
+        ``(array, blocks, rows, keys)`` for the scatter into the rows."""
+        sizes = {a: self.chunks.groups[a].block_bytes for a in staged}
+        buffer = self._buffer(sum(len(items) * sizes[a] for a, items in staged.items()))
+        scatters = []
+        offset = 0
+        for array, items in staged.items():
+            n, size = len(items), sizes[array]
+            blocks = buffer[offset : offset + n * size].view(n, size)
+            offset += n * size
+            reads = [BlockRead(h, blocks[j].numpy()) for j, (_, h) in enumerate(items)]
+            results = self._call(self.namespace.group(array).read_blocks, reads)
+            hits = [j for j, r in enumerate(results) if r.ok]
+            if hits:
+                rows = [chunk_ids[items[j][0]] for j in hits]
+                arrived = [keys[items[j][0]] for j in hits]
+                scatters.append((array, blocks[hits] if len(hits) < n else blocks, rows, arrived))
+        return scatters
+
+    def _nbytes(self, keys: Iterable[bytes]) -> int:
+        """Bytes of the canonical blocks of ``keys``."""
+        return sum(self._block_bytes.get(k[-GROUP_ID_BYTES:], 0) for k in keys)
+
+    def _call(self, call: Callable[[Sequence[Any]], list[Any]], items: Sequence[Any]) -> list[Any]:
+        """A store call from a job thread; its return, in time or late, with results or an
+        exception, tells that the store answers (ends an unresponsive episode)."""
+        try:
+            return call(items)
+        finally:
+            self._health.responsiveness.answered()
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """This job thread's staging buffer of at least ``nbytes`` bytes (grown, kept; flat
+        uint8). A thread stuck in the file system keeps its own: no other thread uses it."""
         buffer: torch.Tensor | None = getattr(self._staging, "buffer", None)
-        if buffer is None or buffer.numel() < need:
+        if buffer is None or buffer.numel() < nbytes:
             # page-aligned, so O_DIRECT reads (direct_reads) land in it without a bounce
-            buffer = torch.from_numpy(aligned_buffer(need))
+            buffer = torch.from_numpy(aligned_buffer(max(nbytes, 1)))
             self._staging.buffer = buffer
         return buffer
 
@@ -385,24 +581,25 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
 
 
 def _in_place(chunks: ChunkMap, group: GroupStore, array: int) -> bool:
-    """Whether stores of ``array`` hand the store strided views of the rows (pieces: no
-    gather copy into a staging buffer). Only for raw dense arrays, which write pieces from
-    where they are: compressed and padded ones would join the pieces into fresh memory, a copy
-    no cheaper than the gather into this tier's reused buffer."""
+    """Whether stores of ``array`` hand the store strided views of row copies (pieces: no
+    gather into canonical order). Only for raw dense arrays, which write pieces from where
+    they are: compressed and padded ones would join the pieces into fresh memory, a copy no
+    cheaper than the gather."""
     layout = group.layout
-    if not STORE_FROM_ROWS or not layout.dense or group.compression != "none":
+    if not layout.dense or group.compression != "none":
         return False
     return chunks.stores_in_place(array, layout.chunk_nbytes)
 
 
 def _loads_in_place(chunks: ChunkMap, group: GroupStore, array: int) -> bool:
     """Whether promotions of ``array`` read blocks straight into the rows (no staging buffer,
-    no scatter copy): where the load plan puts each canonical byte in one place of the row
-    (:meth:`ChunkMap.loads_in_place`) and that place is one contiguous run of the row (MLA:
-    any array) or pieces of whole chunks of a raw dense array (the store reads pieces only
-    for those). Replicas, uneven pipeline splits, and pieces of padded or compressed arrays
-    are staged and scattered."""
-    if not LOAD_INTO_ROWS:
+    no scatter copy): only where vLLM holds the chunks of a promotion reported failed while
+    such a read runs (0.34's deferred release); there, where the load plan puts each
+    canonical byte in one place of the row (:meth:`ChunkMap.loads_in_place`) and that place
+    is one contiguous run of the row (MLA: any array) or pieces of whole chunks of a raw dense
+    array (the store reads pieces only for those). Replicas, uneven pipeline splits, and
+    pieces of padded or compressed arrays are staged and scattered."""
+    if not LOAD_INTO_ROWS or not compat.TIER_DEFERS_RELEASE:
         return False
     layout = group.layout
     pieces = layout.dense and group.compression == "none"

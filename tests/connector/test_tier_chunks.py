@@ -100,8 +100,7 @@ def test_stored_blocks_are_the_index_plans_bytes(case: str) -> None:
     ids = [4, 0, 5, 2]  # out of order, and not all chunks
     block_bytes = chunk_map.groups[0].block_bytes
     out = torch.full((len(ids) * block_bytes,), 0xAB, dtype=torch.uint8)
-    staging = out if chunk_map.copies_on_store(0) else None
-    blocks = chunk_map.to_blocks(0, ids, staging)
+    blocks = chunk_map.to_blocks(0, ids, out)
     assert np.array_equal(np.stack(blocks), _reference_blocks(chunk_map, ids))
 
 
@@ -132,18 +131,18 @@ def test_the_layouts_vllm_produces_take_the_strided_paths() -> None:
     assert gathered == scattered == {"pp2-uneven"}
 
 
-def test_only_an_identity_plan_stores_without_a_copy() -> None:
-    """The zero-copy store hands out slices of the rows: only where the canonical block is
-    one run of its row (MLA: one latent page per layer, as the block holds them). Everywhere
-    else it must copy: a TP=1 HND row is [layer][head] pages, the block [head][layer]; vLLM's
-    canonical_layout pages are [layer][head] too."""
-    zero_copy = {case for case in LAYOUTS if not _build(case).copies_on_store(0)}
-    assert zero_copy == {"mla-tp1", "mla-replicated"}
-    chunk_map = _build("mla-tp1")
-    blocks = chunk_map.to_blocks(0, [2], None)
-    assert np.shares_memory(blocks[0], chunk_map._rows.numpy())
-    with pytest.raises(ValueError, match="expected a buffer"):
-        _build("tp1-hnd").to_blocks(0, [2], None)
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_stored_blocks_are_copies_never_the_rows(case: str) -> None:
+    """A store may outlive its deadline while vLLM reuses its chunks: its blocks are copies
+    in the tier's buffer, even where the block is one run of its row (MLA's identity plan),
+    so whatever vLLM writes into the rows afterwards, the blocks stay what they were."""
+    chunk_map = _build(case)
+    ids = [2, 5]
+    out = torch.zeros(len(ids) * chunk_map.groups[0].block_bytes, dtype=torch.uint8)
+    blocks = chunk_map.to_blocks(0, ids, out)
+    assert not any(np.shares_memory(b, chunk_map._rows.numpy()) for b in blocks)
+    chunk_map._row_array[ids] ^= 0xFF  # vLLM reuses the chunks
+    assert np.array_equal(np.stack(blocks), _reference_blocks(chunk_map, ids) ^ 0xFF)
 
 
 def _pairs(plan: StridedCopy) -> list[tuple[int, int]]:
@@ -273,8 +272,9 @@ def _any_case(case: str) -> tuple[Identity, ChunkMap]:
 def test_blocks_written_from_the_rows_are_the_gathered_files(
     make_store: StoreFactory, tmp_path: Path, frozen_time: int, case: str, direct_io: str
 ) -> None:
-    """Where views of the rows apply, the store's files are byte for byte those of the
-    gathered blocks (the index plan's bytes); each view is memory of the rows, not a copy."""
+    """Where views apply, the store's files are byte for byte those of the gathered blocks
+    (the index plan's bytes); each view is memory of the row's copy in the tier's buffer,
+    never of the rows (a store may outlive its deadline while vLLM reuses them)."""
     identity, chunk_map = _any_case(case)
     groups = {
         way: make_store(tmp_path / way, direct_io=direct_io).namespace(identity).group(0)
@@ -286,10 +286,12 @@ def test_blocks_written_from_the_rows_are_the_gathered_files(
     ids = [4, 0, 5, 2]
     hashes = [block_hash(c, case) for c in ids]
     reference = _reference_blocks(chunk_map, ids)
-    views = chunk_map.source_views(0, ids)
+    out = torch.zeros(len(ids) * chunk_map.source_span_bytes(0), dtype=torch.uint8)
+    views = chunk_map.source_views(0, ids, out)
     for view in views:
         assert not view.flags.c_contiguous
-        assert np.shares_memory(view, chunk_map._rows.numpy())
+        assert np.shares_memory(view, out.numpy())
+        assert not np.shares_memory(view, chunk_map._rows.numpy())
     for way, blocks in (("gathered", list(reference)), ("views", views)):
         writes = [
             BlockWrite(h, b, hashes[j - 1] if j else None)
@@ -320,10 +322,8 @@ def test_views_apply_exactly_where_pieces_are_whole_chunks(
         if chunk_map.stores_in_place(0, group.layout.chunk_nbytes):
             in_place.add(case)
     assert in_place == IN_PLACE
-    _, nhd = _any_case("dense-tp1-nhd")
     with pytest.raises(ValueError, match="gathered by index"):
-        _build("pp2-uneven").source_views(0, [1])
-    assert nhd.copies_on_store(0)
+        _build("pp2-uneven").source_views(0, [1], torch.zeros(1 << 20, dtype=torch.uint8))
 
 
 # Where loads read blocks straight into the rows: each canonical byte has one place in the

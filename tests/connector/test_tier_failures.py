@@ -11,6 +11,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,8 +27,9 @@ import connector.tier.manager
 from connector.tier import KVStoreTier
 from connector.tier.chunks import build_chunk_map, rows_of
 from connector.tier.config import TierConfig
-from connector.tier.jobs import JobRunner, Outcome
+from connector.tier.jobs import LOAD, STORE, JobRunner, Outcome, Part
 from kvstore import ConfigError, KVStore, StoreConfig
+from kvstore.io.deadline import Deadline, DeliveryGate
 from kvstore.store.group_store import GroupStore
 from kvstore.store.paths import TMP_MARK
 
@@ -36,11 +38,19 @@ from .test_failures import FullDisk
 from .tier_harness import TierEngine
 
 PROMPT = prompt(5 * BLOCK + 3)
+LONG = Deadline(60.0)  # a job deadline no test reaches
 
 
-def _stored(root: Path) -> tuple[str, list[bytes]]:
-    engine = TierEngine(EngineOptions(root=root))
-    request = engine.serve("writer", PROMPT)
+def part(run: Callable[[DeliveryGate], Outcome], *keys: bytes) -> Part:
+    """A job part of ``keys`` (no bytes: its deadline is the base)."""
+    return Part(run, frozenset(keys), 0)
+
+
+def _stored(
+    root: Path, block_size: int = BLOCK, tokens: list[int] = PROMPT
+) -> tuple[str, list[bytes]]:
+    engine = TierEngine(EngineOptions(root=root, block_size=block_size))
+    request = engine.serve("writer", tokens)
     engine.flush_tier()
     name = engine.tier.namespace.name
     engine.shutdown()
@@ -176,12 +186,13 @@ def test_a_job_part_that_raises_fails_only_its_keys(caplog: pytest.LogCaptureFix
     is logged, fails its own keys, and the job still finishes; an empty job finishes at once."""
     runner = JobRunner(load_threads=2, store_threads=2)
 
-    def broken() -> Outcome:
+    def broken(gate: DeliveryGate) -> Outcome:
         raise RuntimeError("boom")
 
     with caplog.at_level(logging.ERROR):
-        runner.submit(1, True, [lambda: Outcome(frozenset({b"a"}), 10), broken])
-        runner.submit(2, False, [])
+        good = part(lambda gate: Outcome(frozenset({b"a"}), 10), b"a")
+        runner.submit(1, LOAD, [good, part(broken, b"b")], LONG)
+        runner.submit(2, STORE, [], LONG)
         runner.wait_idle()
     done = {f.job_id: f for f in runner.finished()}
     assert done[1].outcome == Outcome(frozenset({b"a"}), 10)
@@ -198,12 +209,13 @@ def test_a_jobs_parts_run_on_the_pool_concurrently_never_on_the_submitting_threa
     barrier = threading.Barrier(2, timeout=30)
     threads: list[int] = []
 
-    def part(key: bytes) -> Outcome:
+    def run(key: bytes, gate: DeliveryGate) -> Outcome:
         threads.append(threading.get_ident())
         barrier.wait()
         return Outcome(frozenset({key}), 1)
 
-    runner.submit(7, True, [functools.partial(part, k) for k in (b"a", b"b", b"c", b"d")])
+    parts = [part(functools.partial(run, k), k) for k in (b"a", b"b", b"c", b"d")]
+    runner.submit(7, LOAD, parts, LONG)
     runner.wait_idle()
     (done,) = runner.finished()
     assert done.job_id == 7 and done.outcome == Outcome(frozenset({b"a", b"b", b"c", b"d"}), 4)
@@ -215,9 +227,10 @@ def test_corrupt_block_promoted_into_the_rows_is_a_miss_and_never_served(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """128-token blocks (raw dense arrays) promoted at TP=1 are read straight into the CPU
-    tier's rows: a corrupt one leaves its row partly written, is a miss (quarantined, one log
-    line), and vLLM drops its chunk (complete_write(..., False)), so the CPU tier never serves
-    it; the other keys of the same promotion job arrive and stay in the CPU tier."""
+    tier's rows (vLLM 0.34; 0.33 stages them): a corrupt one leaves its row partly written, is
+    a miss (quarantined, one log line), and vLLM drops its chunk (complete_write(..., False)),
+    so the CPU tier never serves it; the other keys of the same promotion job arrive and stay
+    in the CPU tier."""
     big = 8 * BLOCK
     tokens = prompt(3 * big + 3)
     writer = TierEngine(EngineOptions(root=tmp_path, block_size=big))
@@ -231,7 +244,8 @@ def test_corrupt_block_promoted_into_the_rows_is_a_miss_and_never_served(
     raw[data_offset + len(raw) // 3] ^= 0xFF  # inside a chunk in the middle of the block
     path.write_bytes(bytes(raw))
     engine = TierEngine(EngineOptions(root=tmp_path, block_size=big))
-    assert engine.tier._loads_in_place == [True]  # the path under test is taken
+    # the path under test is taken (vLLM 0.34; 0.33 stages every load: the same outcome)
+    assert engine.tier._loads_in_place == [connector.compat.TIER_DEFERS_RELEASE]
     cpu_tier = engine.tiering.primary_tier
     completed: list[tuple[set[bytes], bool]] = []
     complete_write = cpu_tier.complete_write
@@ -261,38 +275,50 @@ def test_corrupt_block_promoted_into_the_rows_is_a_miss_and_never_served(
 
 
 def test_a_failed_promotion_is_reported_once_settled_and_releases_after_its_last_read() -> None:
-    """With early failures (vLLM 0.34's deferred release): parts 0 and 1 ended, part 1 failed
-    a key, part 2 still reading: the job is reported at once, part 2's keys cut short, and its
-    release is set only when part 2 has ended. Without them (0.33), the job waits for part 2."""
-    for early in (True, False):
-        runner = JobRunner(load_threads=2, store_threads=2, early_failures=early)
-        gate, reading = threading.Event(), threading.Event()
+    """With deferred releases (vLLM 0.34): parts 0 and 1 ended, part 1 failed a key, part 2
+    still reading into the rows (its gate claimed): the job is reported at once, part 2's keys
+    cut short, and its release is set only when part 2 has ended. Without them (0.33), the
+    job waits for part 2."""
+    for defers in (True, False):
+        runner = JobRunner(load_threads=2, store_threads=2, defers_release=defers)
+        thaw, reading = threading.Event(), threading.Event()
 
-        def slow(gate: threading.Event = gate, reading: threading.Event = reading) -> Outcome:
+        def slow(
+            gate: DeliveryGate, thaw: threading.Event = thaw, reading: threading.Event = reading
+        ) -> Outcome:
+            assert gate.claim()  # as a read straight into the rows does
             reading.set()
-            assert gate.wait(30)
+            assert thaw.wait(30)
+            gate.release()
             return Outcome(frozenset({b"e"}), 1)
 
-        parts = [lambda: Outcome(frozenset({b"a", b"b"}), 2), lambda: Outcome(frozenset(), 0), slow]
-        keys = [frozenset({b"a", b"b"}), frozenset({b"c", b"d"}), frozenset({b"e"})]
-        runner.submit(5, True, parts, keys)
+        def failing(gate: DeliveryGate, reading: threading.Event = reading) -> Outcome:
+            assert reading.wait(30)  # fails once part 2 reads: it is cut short, not skipped
+            return Outcome(frozenset(), 0)
+
+        parts = [
+            part(lambda gate: Outcome(frozenset({b"a", b"b"}), 2), b"a", b"b"),
+            part(failing, b"c", b"d"),
+            part(slow, b"e"),
+        ]
+        runner.submit(5, LOAD, parts, LONG)
         assert reading.wait(30)
         deadline = time.monotonic() + 30
         done: list[Any] = []
-        while early and not done and time.monotonic() < deadline:
+        while defers and not done and time.monotonic() < deadline:
             done = runner.finished()
             time.sleep(0.005)
-        if early:
+        if defers:
             (report,) = done
             assert report.outcome.ok_keys == {b"a", b"b"}
-            assert report.cut_short == {b"e"}
+            assert report.cut_short == {b"e"} and not report.timed_out
             assert report.release is not None and not report.release.is_set()
         else:
             time.sleep(0.05)
             assert runner.finished() == []  # 0.33: reported only once every part has ended
-        gate.set()
+        thaw.set()
         runner.wait_idle()  # waits for the part cut short too
-        if early:
+        if defers:
             assert report.release.is_set()
             assert runner.finished() == []  # reported once, never again
         else:
@@ -304,46 +330,65 @@ def test_a_failed_promotion_is_reported_once_settled_and_releases_after_its_last
 @pytest.mark.skipif(
     not connector.compat.TIER_DEFERS_RELEASE, reason="vLLM 0.34's JobResult.deferred_release"
 )
-def test_a_failed_promotion_holds_its_chunks_until_the_reads_in_flight_end(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("into_rows", [True, False], ids=["into-rows", "staged"])
+def test_a_failed_promotion_holds_its_chunks_until_the_reads_into_them_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into_rows: bool
 ) -> None:
     """vLLM 0.34: block 1 is corrupt, block 3's read hangs. The promotion (one part per block)
-    is reported failed once blocks 0 and 1 are settled, with ``deferred_release``: vLLM fails
-    the keys but keeps their CPU chunks out of its free pool until block 3's read has ended
-    (then releases them); the request goes on from block 0, byte-exact."""
-    name, hashes = _stored(tmp_path)
+    is reported failed once blocks 0 and 1 are settled. Read straight into the rows (128-token
+    blocks), it carries ``deferred_release``: vLLM fails the keys but keeps their CPU chunks
+    out of its free pool until block 3's read has ended (then releases them). Staged (16-token
+    blocks), block 3's part is cut short before it claimed its gate: nothing is held, its read
+    goes on in the tier's buffer only. Either way the request goes on from block 0,
+    byte-exact."""
+    size = 8 * BLOCK if into_rows else BLOCK
+    tokens = prompt(5 * size + 3)
+    name, hashes = _stored(tmp_path, size, tokens)
     path, data_offset = _block_file(tmp_path, name, hashes[1])
     raw = bytearray(path.read_bytes())
     raw[data_offset + 7] ^= 0xFF  # present at lookup, bad at promotion
     path.write_bytes(bytes(raw))
     monkeypatch.setattr(connector.tier.manager, "JOB_BATCH", 1)
-    gate = threading.Event()
+    gate, reading = threading.Event(), threading.Event()
     read_blocks = GroupStore.read_blocks
 
     def gated(group: GroupStore, reads: Any) -> Any:
-        if any(r.block_hash == hashes[3] for r in reads):
+        read = {r.block_hash for r in reads}
+        if hashes[1] in read:  # fails only once block 3 reads (a part still queued is
+            assert reading.wait(60)  # cut short before it starts: it never reads)
+        if hashes[3] in read:
+            reading.set()
             assert gate.wait(60)
         return read_blocks(group, reads)
 
     monkeypatch.setattr(GroupStore, "read_blocks", gated)
-    engine = TierEngine(EngineOptions(root=tmp_path))
+    engine = TierEngine(EngineOptions(root=tmp_path, block_size=size))
+    assert engine.tier._loads_in_place == [into_rows]
     tiering: Any = engine.tiering  # 0.34's attributes (mypy runs on 0.33)
-    held: list[int] = []
+    held: list[int] = []  # chunks vLLM held once it collected the failed promotion
 
-    def release_when_held() -> None:  # the engine keeps stepping meanwhile (serve)
+    def collected() -> bool:  # reported, block 3 still reading, and vLLM has taken it
+        promoting = any(m.transfer_job.is_promotion for m in list(tiering._jobs.values()))
+        return bool(engine.tier.stats()["late_load_parts"]) and not promoting
+
+    def release_when_collected() -> None:  # the engine keeps stepping meanwhile (serve)
         deadline = time.monotonic() + 60
         while not held and time.monotonic() < deadline:
-            if tiering._deferred_releases:
+            if collected():
                 held.append(tiering.primary_tier.num_deferred_release_chunks)
             time.sleep(0.002)
         gate.set()
 
-    watcher = threading.Thread(target=release_when_held)
+    watcher = threading.Thread(target=release_when_collected)
     watcher.start()
-    engine.serve("reader", [*PROMPT, 999], max_tokens=1)
+    engine.serve("reader", [*tokens, 999], max_tokens=1)
     watcher.join()
-    assert held and held[0] >= 1  # block 3's chunk (and those cut short with it) were held
+    assert held, "the promotion was never reported while block 3 was still reading"
+    if into_rows:  # block 3's chunk (and those cut short with it) were held
+        assert held[0] >= 1
+    else:
+        assert held[0] == 0
     assert tiering.primary_tier.num_deferred_release_chunks == 0  # released after
-    assert engine.first_start["reader"] == BLOCK  # block 0 promoted, 1.. recomputed
+    assert engine.first_start["reader"] == size  # block 0 promoted, 1.. recomputed
     assert engine.prefix_ok["reader"]
     engine.shutdown()
