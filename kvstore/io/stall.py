@@ -6,7 +6,10 @@ a ``stat`` or ``read`` on such a mount blocks without an error. The admin and in
 paths they go through (directory listings, block reads, progress updates) call :func:`beat`;
 when no beat came for the stall timeout, the watchdog prints one line naming the root and
 what to check, and exits the process with :data:`EXIT_STALLED`. Leaving the process through
-``os._exit`` works even with a thread blocked in the mount: NFS and FUSE waits are killable.
+``os._exit`` ends it at once where the blocked wait is killable (NFS hard mounts); on FUSE a
+request the daemon has already taken is waited for uninterruptibly (the kernel's
+``request_wait_answer``), so there the line comes on time but the process ends, with exit 3,
+only once the mount answers (tests/admin/test_stall.py, the faultfs tests).
 
 The timeout is ``KVSTORE_STALL_TIMEOUT_S`` (seconds, default :data:`DEFAULT_TIMEOUT_S`; 0 turns
 the watchdog off). It measures silence, not duration: a long ``gc`` pass beats all the way.

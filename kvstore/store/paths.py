@@ -370,6 +370,7 @@ def _entries(fd: int) -> Iterator[tuple[str, os.stat_result]]:
                     continue
                 stall.beat()  # the mount answers (the tools' hung-mount watchdog)
                 yield entry.name, st
+        stall.beat()  # listed, even if empty: a run of empty fan-out directories is no silence
     finally:
         os.close(fd)
 
