@@ -76,8 +76,10 @@ class ConnectorConfig:
     # its blocks are reported failed (vLLM recomputes them), the late read never writes into
     # the KV cache, and the store counts as unresponsive (docs/operating.md).
     load_deadline_s: float = 5.0
-    # Worker: the same for a store job's file writes (the GPU pages are free once the
-    # snapshot is taken, so only host staging waits): past it the blocks are not published.
+    # Worker and scheduler: the same for a store job's file writes (the GPU pages are free
+    # once the snapshot is taken, so only host staging waits) and for the scheduler's publish
+    # or abort of its blocks: past it the blocks are not published (a late publish's result
+    # is applied when it returns) and the store counts as unresponsive.
     store_deadline_s: float = 30.0
     # Worker: the slowest rate (MB/s, 10^6 bytes) a working store is allowed: a job moving
     # N bytes gets N / rate seconds on top of its deadline. 0: no allowance for size.

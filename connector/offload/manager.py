@@ -15,6 +15,22 @@ return futures, which the scheduler thread applies at its next call).
   new lookup a MISS at once and no new probe (the threads stuck in the file system are not
   joined by more). The stuck probe itself tells when the store answers again: its results are
   applied, the episode ends with one more line, and lookups probe as before.
+* **Publishes and aborts have a deadline too**: ``store_deadline_s`` (plus the blocks' bytes
+  at ``deadline_min_mb_per_s``: a compressed namespace rewrites them) from their submission.
+  One past it is *late*: no longer pending work (vLLM does not step for it), its blocks
+  counted failed (cause ``timeout``) and no longer believed present or being published (a
+  lookup answers MISS, a store skips them, nothing probes them) until its result comes back;
+  then what it published is remembered and announced, as it would have been in time. A
+  block is published by one rename or not at all, never half. A late publish starts the same
+  unresponsive episode: while it lasts, new stores are dropped (``prepare_store`` offers
+  none; ``complete_store`` and ``abort_orphans`` submit nothing, their blocks counted
+  dropped, their temporary files removed once the store answers), so nothing new joins the
+  threads stuck in the file system. The probe pool is fixed: ``probe_threads`` daemon
+  threads (:class:`connector.offload.executor.PriorityExecutor`), and only jobs submitted
+  before an episode began can queue behind a stuck one (bounded by the keys looked up in
+  ``lookup_deadline_s`` and by ``max_pending_store_bytes``). ``drain`` and ``shutdown`` wait
+  for a job no longer than its deadline; threads still stuck at shutdown are left behind
+  (one line) and the store is not closed (closing it would join them).
 * ``prepare_load`` pins the keys, ``complete_load`` unpins them (the connector itself never
   evicts; ``kvstore gc`` runs outside the engine, and a block it removes during a load is a
   load error like any vanished file).
@@ -50,11 +66,13 @@ its parent is not found by prefix lookups), never waited for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import math
 import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,12 +95,14 @@ from connector.identity import KeyMap
 from connector.keys import parent_key
 from connector.offload import metrics as m
 from connector.offload.admission import Admission
-from connector.offload.deadlines import WorkerHealth
+from connector.offload.deadlines import MB, WorkerHealth
 from connector.offload.events import StoreEvents
+from connector.offload.executor import PriorityExecutor
 from connector.offload.metrics import StoreMetrics
 from connector.offload.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
 from kvstore import KVStore, Namespace, PendingBlock, WriteStatus
 from kvstore.checksum import checksum_id
+from kvstore.io.deadline import Deadline
 
 log = logging.getLogger("kvstore.connector")
 
@@ -99,6 +119,22 @@ class _Looked:
     """Per request: keys whose lookup answer was counted."""
 
     keys: set[bytes] = field(default_factory=set)
+
+
+@dataclass
+class _PublishJob:
+    """A background publish: the blocks it publishes (``commit``) and those whose temporary
+    files it removes (``abort``)."""
+
+    future: Future[_Published]
+    started: float  # when submitted: its deadline counts from here
+    deadline_s: float
+    offered: float | None  # when its oldest block to publish was offered (store_seconds)
+    commit: list[bytes]
+    abort: list[bytes]
+    # Its blocks are counted already: given up at its deadline, or aborts whose blocks were
+    # counted when they were dropped. Its result only tells what became present.
+    counted: bool = False
 
 
 class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
@@ -127,7 +163,12 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         }
         self._checksum_algo = checksum_id(store.checksum)
         self._now = monotonic
-        self._pool = ThreadPoolExecutor(options.probe_threads, thread_name_prefix="kvstore-probe")
+        # Fixed daemon threads: one stuck in a hung file system never holds up the process's
+        # exit, and nothing is submitted while the store is known hung (see the module doc).
+        self._pool = PriorityExecutor(options.probe_threads, "kvstore-probe")
+        self._publish_deadline = Deadline(
+            options.store_deadline_s, options.deadline_min_mb_per_s * MB
+        )
         self._present: OrderedDict[bytes, None] = OrderedDict()
         self._absent: dict[bytes, float] = {}  # key -> time the answer expires
         self._probing: set[bytes] = set()
@@ -139,8 +180,14 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self._pending: dict[bytes, PendingBlock] = {}  # prepared stores, not yet completed
         self._failed_stores: dict[bytes, str] = {}  # key -> cause, reported by a worker
         self._publishing: set[bytes] = set()
-        # (publish, when its oldest block was offered; None for aborts only)
-        self._publishes: list[tuple[Future[_Published], float | None]] = []
+        self._publishes: list[_PublishJob] = []
+        # Past store_deadline_s: no longer pending work, their blocks counted failed; the keys
+        # of the blocks they publish are not believed present until their result comes back.
+        self._late_publishes: list[_PublishJob] = []
+        self._late_keys: set[bytes] = set()
+        # Pending blocks dropped while the store is unresponsive: their temporary files are
+        # removed once it answers (at most the blocks pending when it stopped answering).
+        self._deferred_aborts: list[tuple[bytes, PendingBlock]] = []
         self._pins: Counter[bytes] = Counter()
         # pending at a cache reset, aborted when flushed
         self._orphans: list[tuple[bytes, PendingBlock]] = []
@@ -175,6 +222,8 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         if k in self._publishing:
             return LookupResult.HIT_PENDING
         if k in self._pending:  # another request is storing it; recompute meanwhile
+            return self._answer(k, req_context, LookupResult.MISS)
+        if k in self._late_keys:  # its publish is late: not present until its result says so
             return self._answer(k, req_context, LookupResult.MISS)
         expires = self._absent.get(k)
         if expires is not None:
@@ -217,7 +266,8 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         now = self._now()
         for start in range(0, len(batch), self.options.probe_batch):
             chunk = batch[start : start + self.options.probe_batch]
-            self._probes.append((chunk, self._pool.submit(self._probe, chunk), now))
+            future = self._pool.submit(0, functools.partial(self._probe, chunk))
+            self._probes.append((chunk, future, now))
 
     def _answer_missing(self, keys: Sequence[bytes]) -> None:
         """Keys whose probe the store did not answer in time: misses for ``miss_ttl_s``."""
@@ -282,10 +332,18 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self._drain()
         offered = list(dict.fromkeys(bytes(k) for k in keys))
         present = {
-            k for k in offered if k in self._present or k in self._publishing or k in self._pending
+            k
+            for k in offered
+            if k in self._present
+            or k in self._publishing
+            or k in self._pending
+            or k in self._late_keys
         }
         self.metrics.count(m.STORE_SKIPPED_BLOCKS, len(present), m.PRESENT)
         candidates = [k for k in offered if k not in present]
+        if self._unresponsive_since is not None:  # workers would only block on the mount
+            self.metrics.count(m.STORE_DROPPED_BLOCKS, len(candidates), m.UNRESPONSIVE_REASON)
+            return _empty_store(self.namespace.name, self._checksum_algo)
         if self._now() < self._backoff_until:
             self.metrics.count(m.STORE_DROPPED_BLOCKS, len(candidates), m.WRITE_BACKOFF_REASON)
             return _empty_store(self.namespace.name, self._checksum_algo)
@@ -350,6 +408,9 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             (abort if cause is not None else commit)[pending.group].append((k, pending))
         if not commit and not abort:
             return
+        if self._unresponsive_since is not None:
+            self._drop_while_unresponsive(commit, abort)
+            return
         for items in commit.values():
             self._publishing.update(k for k, _ in items)
         times = [self._offered_at.pop(k, None) for items in commit.values() for k, _ in items]
@@ -357,9 +418,44 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             for k, _ in items:
                 self._offered_at.pop(k, None)
         offered = min((t for t in times if t is not None), default=None)
-        self._publishes.append(
-            (self._pool.submit(self._publish, dict(commit), dict(abort)), offered)
-        )
+        self._submit_publish(dict(commit), dict(abort), offered)
+
+    def _submit_publish(
+        self,
+        commit: dict[int, list[tuple[bytes, PendingBlock]]],
+        abort: dict[int, list[tuple[bytes, PendingBlock]]],
+        offered: float | None,
+        *,
+        counted: bool = False,
+    ) -> None:
+        publish = [k for items in commit.values() for k, _ in items]
+        deadline = self._publish_deadline.seconds(sum(self._bytes_of(k) for k in publish))
+        future = self._pool.submit(0, functools.partial(self._publish, commit, abort))
+        removed = [k for items in abort.values() for k, _ in items]
+        job = _PublishJob(future, self._now(), deadline, offered, publish, removed, counted)
+        self._publishes.append(job)
+
+    def _drop_while_unresponsive(
+        self,
+        commit: Mapping[int, list[tuple[bytes, PendingBlock]]],
+        abort: Mapping[int, list[tuple[bytes, PendingBlock]]],
+    ) -> None:
+        """Blocks a job completed while the store is unresponsive: not published (nobody
+        waits for a store; a rename would only join the threads stuck in the file system).
+        Counted now, dropped (or failed with their worker's cause); their temporary files are
+        removed once the store answers."""
+        for items in commit.values():
+            for k, pending in items:
+                self._offered_at.pop(k, None)
+                self._release(k)
+                self._count_unpublished(k, m.UNRESPONSIVE_REASON)
+                self._deferred_aborts.append((k, pending))
+        for items in abort.values():
+            for k, pending in items:
+                self._offered_at.pop(k, None)
+                self._release(k)
+                self._count_unpublished(k, self._abort_cause.pop(k, m.IO_ERROR))
+                self._deferred_aborts.append((k, pending))
 
     def _publish(
         self,
@@ -440,7 +536,12 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
                     if now - started > self.options.lookup_deadline_s:
                         self._answer_missing(keys)
                         self._late.append((keys, future))
-                        self._became_unresponsive(now - started)
+                        self._became_unresponsive(
+                            "an existence probe",
+                            self.options.lookup_deadline_s,
+                            "lookup_deadline_s",
+                            now - started,
+                        )
                     else:
                         waiting.append((keys, future, started))
                     continue
@@ -454,53 +555,126 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             self._probes = waiting
         if self._publishes:
             waiting_p = []
-            for publish, offered in self._publishes:
-                if not publish.done():
-                    waiting_p.append((publish, offered))
-                    continue
-                self._apply_publish(publish.result())
-                if offered is not None:
-                    self.metrics.observe(m.STORE_SECONDS, self._now() - offered)
+            now = self._now()
+            for job in self._publishes:
+                if job.future.done():
+                    self._apply_job(job)
+                elif now - job.started > job.deadline_s:
+                    self._give_up_publish(job, now - job.started)
+                else:
+                    waiting_p.append(job)
             self._publishes = waiting_p
 
-    def _became_unresponsive(self, waited_s: float) -> None:
+    def _apply_job(self, job: _PublishJob) -> None:
+        """A publish that returned in time."""
+        results = _results_of(job)
+        if job.counted:
+            return
+        self._apply_publish(results)
+        if job.offered is not None:
+            self.metrics.observe(m.STORE_SECONDS, self._now() - job.offered)
+
+    def _give_up_publish(self, job: _PublishJob, waited_s: float) -> None:
+        """A publish past its deadline: counted now (its blocks failed, cause timeout; the
+        blocks it aborts with their own cause), no longer pending work. The keys it publishes
+        are not believed present until its result comes back (:meth:`_apply_late_publish`)."""
+        if not job.counted:
+            for k in job.commit:
+                self._publishing.discard(k)
+                self._late_keys.add(k)
+                self._release(k)
+                self._count_unpublished(k, m.TIMEOUT)
+            for k in job.abort:
+                self._release(k)
+                self._count_unpublished(k, self._abort_cause.pop(k, m.IO_ERROR))
+            job.counted = True
+        self._late_publishes.append(job)
+        self._became_unresponsive("a publish", job.deadline_s, "store_deadline_s", waited_s)
+
+    def _apply_late_publish(self, job: _PublishJob) -> None:
+        """A late publish returned: what it published is present after all (announced as
+        if in time; counted already, at its deadline)."""
+        self._late_keys.difference_update(job.commit)
+        commit = set(job.commit)
+        written: list[bytes] = []
+        for key, status, _error in _results_of(job):
+            if key in commit and status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
+                self._remember(key)
+                if status is WriteStatus.WRITTEN:
+                    written.append(key)
+        self.counters["blocks_published_late"] += len(written)
+        self.events.stored(written)
+
+    def _became_unresponsive(
+        self, what: str, deadline_s: float, setting: str, waited_s: float
+    ) -> None:
         if self._unresponsive_since is not None:
             return
         self._unresponsive_since = self._now() - waited_s
         log.warning(
-            "kvstore: the store at %s did not answer an existence probe within %.1f s "
-            "(lookup_deadline_s); lookups answer miss (recompute) until it answers again",
+            "kvstore: the store at %s did not answer %s within %.1f s (%s); lookups answer "
+            "miss (recompute) and stores are dropped until it answers again",
             self.store.root,
-            self.options.lookup_deadline_s,
+            what,
+            deadline_s,
+            setting,
         )
 
     def _drain_late(self) -> None:
-        """Apply late probes that finished; the first answer ends an unresponsive episode."""
-        if not self._late:
+        """Apply late probes and publishes that returned; the first ends an unresponsive
+        episode."""
+        answered = False
+        if self._late and any(f.done() for _, f in self._late):
+            returned = [(keys, f) for keys, f in self._late if f.done()]
+            self._late = [(keys, f) for keys, f in self._late if not f.done()]
+            for _keys, future in returned:
+                if future.exception() is None:
+                    self._apply_probe(future.result())
+            answered = True
+        if self._late_publishes and any(j.future.done() for j in self._late_publishes):
+            done = [j for j in self._late_publishes if j.future.done()]
+            self._late_publishes = [j for j in self._late_publishes if not j.future.done()]
+            for job in done:
+                self._apply_late_publish(job)
+            answered = True
+        if answered:
+            self._store_answered()
+
+    def _store_answered(self) -> None:
+        """A late job returned: the store answers again. Ends the episode (one line) and
+        removes the temporary files of the blocks dropped meanwhile."""
+        if self._unresponsive_since is None:
             return
-        answered = [(keys, f) for keys, f in self._late if f.done()]
-        if not answered:
-            return
-        self._late = [(keys, f) for keys, f in self._late if not f.done()]
-        for _keys, future in answered:
-            if future.exception() is None:
-                self._apply_probe(future.result())
-        if self._unresponsive_since is not None:
-            hung = self._now() - self._unresponsive_since
-            self._unresponsive_since = None
-            self.metrics.count(m.UNRESPONSIVE_SECONDS, hung)
-            log.warning(
-                "kvstore: the store at %s answered again after %.1f s unresponsive; lookups "
-                "probe it again",
-                self.store.root,
-                hung,
-            )
+        hung = self._now() - self._unresponsive_since
+        self._unresponsive_since = None
+        self.metrics.count(m.UNRESPONSIVE_SECONDS, hung)
+        log.warning(
+            "kvstore: the store at %s answered again after %.1f s unresponsive; lookups "
+            "probe it and stores go to it again",
+            self.store.root,
+            hung,
+        )
+        if self._deferred_aborts:
+            deferred, self._deferred_aborts = self._deferred_aborts, []
+            self._submit_publish({}, _by_array(deferred), None, counted=True)
+
+    def _release(self, key: bytes) -> None:
+        """A block offered to the store is published or given up: its bytes are no longer
+        pending (backpressure)."""
+        self._pending_bytes = max(0, self._pending_bytes - self._bytes_of(key))
+
+    def _count_unpublished(self, key: bytes, cause: str) -> None:
+        self.counters["blocks_not_published"] += 1
+        if cause in (m.CACHE_RESET, m.UNRESPONSIVE_REASON):
+            self.metrics.count(m.STORE_DROPPED_BLOCKS, 1, cause)
+        else:
+            self.metrics.count(m.FAILED_BLOCKS, 1, m.STORE, cause)
 
     def _apply_publish(self, results: _Published) -> None:
         written: list[bytes] = []
         for key, status, error in results:
             self._publishing.discard(key)
-            self._pending_bytes = max(0, self._pending_bytes - self._bytes_of(key))
+            self._release(key)
             if status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
                 self._remember(key)
                 if status is WriteStatus.WRITTEN:
@@ -511,12 +685,8 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
                 else:  # another server published it first
                     self.metrics.count(m.STORE_SKIPPED_BLOCKS, 1, m.PRESENT)
                 continue
-            self.counters["blocks_not_published"] += 1
-            cause = self._abort_cause.pop(key, None) or m.write_cause(error)
-            if cause in (m.CACHE_RESET, m.UNRESPONSIVE_REASON):
-                self.metrics.count(m.STORE_DROPPED_BLOCKS, 1, cause)
-            else:
-                self.metrics.count(m.FAILED_BLOCKS, 1, m.STORE, cause)
+            cause = self._abort_cause.pop(key, None)
+            self._count_unpublished(key, cause or m.write_cause(error))
         self.events.stored(written)
 
     def _apply_probe(self, results: Iterable[tuple[bytes, bool]]) -> None:
@@ -551,7 +721,8 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
 
     def has_pending_work(self) -> bool:
         # Orphans keep the engine stepping until the workers' reports of the jobs flushed by
-        # a reset come back (vLLM 0.32 stops stepping otherwise; see connector.compat).
+        # a reset come back (vLLM 0.32 stops stepping otherwise; see connector.compat). Jobs
+        # past their deadline (late) do not: an idle engine does not spin on a hung mount.
         return bool(self._probe_queue or self._probes or self._publishes or self._orphans)
 
     def reset_cache(self) -> None:
@@ -582,11 +753,15 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
     def abort_orphans(self) -> None:
         """Abort the blocks pending at past resets (no worker writes them any more)."""
         orphans, self._orphans = self._orphans, []
-        by_array: dict[int, list[tuple[bytes, PendingBlock]]] = defaultdict(list)
-        for key, pending in orphans:
-            by_array[pending.group].append((key, pending))
-        if by_array:
-            self._publishes.append((self._pool.submit(self._publish, {}, dict(by_array)), None))
+        if not orphans:
+            return
+        if self._unresponsive_since is not None:
+            for key, _ in orphans:
+                self._release(key)
+                self._count_unpublished(key, self._abort_cause.pop(key, m.CACHE_RESET))
+            self._deferred_aborts.extend(orphans)
+            return
+        self._submit_publish({}, _by_array(orphans), None)
 
     # -- operating: metrics and events (docs/metrics.md) ----------------------------------------
 
@@ -599,7 +774,11 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self.metrics.gauge(m.PENDING_STORE_BLOCKS, len(self._pending) + len(self._publishing))
         self.metrics.gauge(m.PENDING_JOBS, len(self._probes) + len(self._late), m.PROBE)
         self.metrics.gauge(m.UNRESPONSIVE, 0 if self._unresponsive_since is None else 1)
-        self.metrics.gauge(m.PENDING_JOBS, len(self._publishes), m.PUBLISH)
+        self.metrics.gauge(
+            m.PENDING_JOBS, len(self._publishes) + len(self._late_publishes), m.PUBLISH
+        )
+        self.metrics.gauge(m.LATE_JOBS, len(self._late), m.PROBE)
+        self.metrics.gauge(m.LATE_JOBS, len(self._late_publishes), m.PUBLISH)
         health = self._worker_health
         self.metrics.gauge(m.WORKER_UNRESPONSIVE, health.unresponsive)
         self.metrics.gauge(m.LATE_JOBS, health.late_loads, m.LOAD)
@@ -625,27 +804,90 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         return [dict(zip(m.CONFIG_INFO_KEYS, values, strict=True))]
 
     def drain(self, timeout: float | None = None) -> None:
-        """Wait for every queued probe and publish and apply them (tests, shutdown)."""
+        """Wait for the queued probes and publishes, each no longer than until its deadline
+        (and all of them no longer than ``timeout`` seconds), and apply them (tests,
+        shutdown). Jobs already late are not waited for: the store did not answer them."""
         self._flush_probes()
-        futures: list[Future[Any]] = [f for _, f, _ in self._probes]
-        futures.extend(f for _, f in self._late)
-        futures.extend(f for f, _ in self._publishes)
-        wait_futures(futures, timeout=timeout)
+        now, start = self._now(), time.monotonic()
+        # Each job's deadline on the real clock (the manager's clock may be a test's).
+        ends: dict[Future[Any], float] = {
+            f: start + max(0.0, t + self.options.lookup_deadline_s - now)
+            for _, f, t in self._probes
+        }
+        ends.update(
+            (j.future, start + max(0.0, j.started + j.deadline_s - now)) for j in self._publishes
+        )
+        give_up = math.inf if timeout is None else start + timeout
+        while True:
+            clock = time.monotonic()
+            ends = {f: end for f, end in ends.items() if not f.done() and end > clock}
+            if not ends or clock >= give_up:
+                break
+            first = min(*ends.values(), give_up)
+            wait_futures(list(ends), timeout=first - clock, return_when=FIRST_COMPLETED)
         self._drain()
 
     def shutdown(self) -> None:
-        self.drain()
-        leftovers: dict[int, list[PendingBlock]] = defaultdict(list)
+        """Remove the temporary files nobody will publish, wait for the jobs in flight (each
+        until its deadline) and stop. Threads still blocked in a hung store are left behind
+        (one line; they are daemons), and the store is not closed (that would join them)."""
+        self._probe_queue.clear()  # nobody will ask again
+        self._drain()
         # The workers are stopped by now: blocks of unfinished jobs, and of jobs flushed by a
         # reset whose reports never came, are nobody's any more.
-        for pending in [*self._pending.values(), *(p for _, p in self._orphans)]:
-            leftovers[pending.group].append(pending)
-        for array, pendings in leftovers.items():
-            self.namespace.group(array).abort_blocks(pendings)
+        leftovers = [*self._pending.items(), *self._orphans, *self._deferred_aborts]
         self._pending.clear()
         self._orphans.clear()
+        self._deferred_aborts = []
+        left_behind = 0
+        if leftovers and self._unresponsive_since is None:
+            self._submit_publish({}, _by_array(leftovers), None, counted=True)
+        else:  # a hung store: kvstore gc and verify --fix remove orphan temporaries
+            left_behind = len(leftovers)
+        self.drain()
+        probes = [f for _, f, _ in self._probes] + [f for _, f in self._late]
+        publishes = [j.future for j in self._publishes + self._late_publishes]
+        stuck_probes = sum(not f.done() for f in probes)
+        stuck_publishes = sum(not f.done() for f in publishes)
+        if stuck_probes or stuck_publishes:
+            log.warning(
+                "kvstore: %d existence probes and %d publishes are still blocked in the store "
+                "at %s at shutdown; their threads are left behind (%d temporary block files "
+                "left for kvstore gc)",
+                stuck_probes,
+                stuck_publishes,
+                self.store.root,
+                left_behind,
+            )
+            self._pool.shutdown(wait=False)
+            return
+        if left_behind:
+            log.warning(
+                "kvstore: the store at %s was unresponsive at shutdown: %d temporary block "
+                "files left for kvstore gc",
+                self.store.root,
+                left_behind,
+            )
         self._pool.shutdown(wait=True)
         self.store.close()
+
+
+def _by_array(
+    blocks: Iterable[tuple[bytes, PendingBlock]],
+) -> dict[int, list[tuple[bytes, PendingBlock]]]:
+    by_array: dict[int, list[tuple[bytes, PendingBlock]]] = defaultdict(list)
+    for key, pending in blocks:
+        by_array[pending.group].append((key, pending))
+    return dict(by_array)
+
+
+def _results_of(job: _PublishJob) -> _Published:
+    """What a returned publish did; a publish that raised published nothing."""
+    error = job.future.exception()
+    if error is None:
+        return job.future.result()
+    log.error("kvstore: publishing %d blocks failed: %s", len(job.commit) + len(job.abort), error)
+    return [(k, WriteStatus.FAILED, str(error)) for k in [*job.commit, *job.abort]]
 
 
 def _empty_store(namespace: str, checksum_algo: int) -> PrepareStoreOutput:

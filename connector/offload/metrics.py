@@ -74,7 +74,8 @@ IO_ERROR = "io_error"  # the OS refused a read or write (EIO, EACCES, ...)
 DISK_FULL = "disk_full"  # ENOSPC / EDQUOT while writing
 TIMEOUT = "timeout"  # not done within load_deadline_s / store_deadline_s: given up
 # (loads) failed at once while the worker found the store unresponsive; stores so dropped
-# are counted as dropped, with this reason
+# (by a worker, or by the scheduler while it finds the store unresponsive) are counted as
+# dropped, with this reason
 UNRESPONSIVE_REASON = "unresponsive"
 CAUSES = (MISSING, CORRUPT, IDENTITY_MISMATCH, IO_ERROR, DISK_FULL, TIMEOUT, UNRESPONSIVE_REASON)
 PRESENT = "present"  # already in the store, being published or being stored
@@ -163,7 +164,8 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "(probed too long, or looked up while the store was unresponsive)."
         ),
         UNRESPONSIVE: gauge(
-            "1 while an existence probe is past lookup_deadline_s (the store is hung), else 0."
+            "1 while an existence probe past lookup_deadline_s or a publish past "
+            "store_deadline_s has not returned (the store is hung), else 0."
         ),
         UNRESPONSIVE_SECONDS: counter(
             "Seconds the store was unresponsive, counted when it answers again."
@@ -176,9 +178,10 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "Seconds workers found the store unresponsive, summed over workers."
         ),
         LATE_JOBS: gauge(
-            "Transfer jobs given up at their deadline whose I/O has not returned yet, by "
-            "operation, summed over workers; each holds a worker thread or a place in its "
-            "queue, and staging buffers (late_bytes).",
+            "Jobs given up at their deadline whose I/O has not returned yet, by operation: "
+            "load, store (transfer jobs, summed over workers; each holds a worker thread or a "
+            "place in its queue, and staging buffers: late_bytes), probe, publish (the "
+            "scheduler's; each holds a probe thread or a place in its queue).",
             ("op",),
         ),
         LATE_BYTES: gauge("Bytes of the staging buffers held by late jobs, summed over workers."),
