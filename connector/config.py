@@ -239,3 +239,17 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_number(name: str, value: object, unit: str = "seconds", *, positive: bool) -> None:
+    """:class:`ConfigError` unless ``value`` is a finite number, > 0 (``positive``) or >= 0;
+    the message names the key, the unit and the bound, and what arrived."""
+    valid = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > 0 if positive else value >= 0)
+    )
+    if not valid:
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"{name}: expected a number of {unit} {bound}, got {value!r}")

@@ -15,12 +15,11 @@ accepted keys, raised when SGLang constructs the backend (at startup, not at the
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.config import check_fields, convert_like, parse_store_keys
+from connector.config import check_fields, check_number, convert_like, parse_store_keys
 from kvstore import ConfigError, StoreConfig
 
 # Keys SGLang 0.5.23 itself reads from the extra config (storage/backend_factory.py,
@@ -71,10 +70,8 @@ class SGLangBackendConfig:
             ints=(("num_kv_heads", 0, 1 << 16), ("num_layers", 0, 1 << 16)),
         )
         for name in (*DEADLINE_KEYS, "unresponsive_retry_s"):
-            _check_seconds(name, getattr(self, name), positive=True)
-        _check_seconds(
-            "deadline_min_mb_per_s", self.deadline_min_mb_per_s, positive=False, unit="MB/s"
-        )
+            check_number(name, getattr(self, name), positive=True)
+        check_number("deadline_min_mb_per_s", self.deadline_min_mb_per_s, "MB/s", positive=False)
 
     @classmethod
     def backend_keys(cls) -> tuple[str, ...]:
@@ -104,16 +101,3 @@ class SGLangBackendConfig:
             if name in extra
         }
         return dataclasses.replace(defaults, **values)
-
-
-def _check_seconds(name: str, value: object, *, positive: bool, unit: str = "seconds") -> None:
-    """:class:`ConfigError` unless ``value`` is a finite number > 0 (``positive``), else >= 0."""
-    valid = (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (value > 0 if positive else value >= 0)
-    )
-    if not valid:
-        bound = "> 0" if positive else ">= 0"
-        raise ConfigError(f"{name}: expected a number of {unit} {bound}, got {value!r}")

@@ -3,9 +3,10 @@
 SGLang calls the backend synchronously from its cache controller's threads (prefetch, its
 I/O helper, backup). A ``stat`` or ``read`` on a hung mount blocks without an error for as
 long as the mount stays hung, and a blocked thread cannot be interrupted. So every store call
-runs on a thread of the backend's own (:class:`Workers`, a fixed few) while SGLang's thread
-waits at most the call's deadline (:class:`kvstore.io.deadline.Deadline`: the setting's
-seconds plus an allowance for the call's bytes at ``deadline_min_mb_per_s``).
+runs on a thread of the backend's own (:class:`~kvstore.io.deadline.DaemonWorkers`, a fixed
+few) while SGLang's thread waits at most the call's deadline
+(:class:`kvstore.io.deadline.Deadline`: the setting's seconds plus an allowance for the call's
+bytes at ``deadline_min_mb_per_s``).
 
 The workers only move bytes between files and staging rows; SGLang's thread itself gathers
 pages from its pool into the rows before a write and scatters read rows into its pool after
@@ -24,7 +25,6 @@ never all filled behind the hung mount.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +34,7 @@ from typing import Generic, Literal, TypeVar
 
 from connector.sglang.config import SGLangBackendConfig
 from connector.sglang.stats import BackendStats
-from kvstore.io.deadline import Deadline, DeliveryGate, Responsiveness
+from kvstore.io.deadline import DaemonWorkers, Deadline, DeliveryGate, Responsiveness
 
 logger = logging.getLogger("kvstore.sglang")
 
@@ -46,34 +46,6 @@ WORKER_THREADS = 4
 
 Kind = Literal["lookup", "load", "store"]
 T = TypeVar("T")
-
-
-class Workers:
-    """A fixed set of daemon threads running submitted functions in order of submission.
-
-    Daemon threads: one stuck in a hung mount must not hold up the interpreter's exit (a
-    ``ThreadPoolExecutor`` joins its threads at exit)."""
-
-    def __init__(self, count: int, name: str) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
-            for i in range(count)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self._queue.put(job)
-
-    def close(self) -> None:
-        """Idle threads exit now; a stuck one once its call returns."""
-        for _ in self._threads:
-            self._queue.put(None)
-
-    def _serve(self) -> None:
-        while (job := self._queue.get()) is not None:
-            job()
 
 
 class StoreCalls:
@@ -96,7 +68,7 @@ class StoreCalls:
             where=where, retry_interval_s=config.unresponsive_retry_s, logger=logger
         )
         self.stats = stats
-        self.workers = Workers(threads, "kvstore-sglang")
+        self.workers = DaemonWorkers(threads, "kvstore-sglang")
         self._lock = threading.Lock()
         self._held_calls = 0
         self._held_bytes = 0

@@ -15,12 +15,11 @@ verified, so a block lost or torn by a power failure is a miss, never a wrong pa
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.config import check_fields, convert_like, parse_store_keys
+from connector.config import check_fields, check_number, convert_like, parse_store_keys
 from kvstore import ConfigError, StoreConfig
 from kvstore.config import Durability
 
@@ -90,8 +89,8 @@ class TierConfig:
             bools=("default_backpressure", "enable_kv_events"),
         )
         for name in DEADLINE_KEYS:
-            _check_number(name, getattr(self, name), "seconds", positive=True)
-        _check_number("deadline_min_mb_per_s", self.deadline_min_mb_per_s, "MB/s", positive=False)
+            check_number(name, getattr(self, name), positive=True)
+        check_number("deadline_min_mb_per_s", self.deadline_min_mb_per_s, "MB/s", positive=False)
         if self.locality and self.locality.upper() not in LOCALITIES:
             raise ConfigError(
                 f"locality: expected one of {list(LOCALITIES)}, got {self.locality!r}"
@@ -124,16 +123,3 @@ class TierConfig:
             if name in options
         }
         return dataclasses.replace(defaults, **values)
-
-
-def _check_number(name: str, value: object, unit: str, *, positive: bool) -> None:
-    """:class:`ConfigError` unless ``value`` is a finite number, > 0 (``positive``) or >= 0."""
-    valid = (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (value > 0 if positive else value >= 0)
-    )
-    if not valid:
-        bound = "> 0" if positive else ">= 0"
-        raise ConfigError(f"{name}: expected a number of {unit} {bound}, got {value!r}")

@@ -29,8 +29,9 @@ the failure.
 **Early failures** (with ``defers_release``): a promotion that failed is reported as soon as
 every part before its first failed one has ended, its other parts cut short as above.
 
-The pools are a fixed few daemon threads (:class:`Workers`): while the mount hangs the threads
-stuck in it stay stuck, none is added, and none holds up the interpreter's exit.
+The pools are a fixed few daemon threads (:class:`~kvstore.io.deadline.DaemonWorkers`): while
+the mount hangs the threads stuck in it stay stuck, none is added, and none holds up the
+interpreter's exit.
 """
 
 from __future__ import annotations
@@ -39,14 +40,13 @@ import functools
 import heapq
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvstore.io.deadline import Deadline, DeliveryGate
+from kvstore.io.deadline import DaemonWorkers, Deadline, DeliveryGate
 
 log = logging.getLogger("kvstore.connector")
 
@@ -95,32 +95,6 @@ class Finished:
     timed_out: bool = False
 
 
-class Workers:
-    """A fixed set of daemon threads running submitted functions in order of submission."""
-
-    def __init__(self, count: int, name: str) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
-            for i in range(count)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, work: Callable[[], None]) -> None:
-        self._queue.put(work)
-
-    def close(self) -> None:
-        """Idle threads exit now, busy ones after their work (a stuck one once its call
-        returns); work queued before runs first."""
-        for _ in self._threads:
-            self._queue.put(None)
-
-    def _serve(self) -> None:
-        while (work := self._queue.get()) is not None:
-            work()
-
-
 class JobRunner:
     """Runs the parts of load and store jobs on their pools; reports their merged outcomes,
     by their deadlines at the latest.
@@ -141,8 +115,8 @@ class JobRunner:
         self._defers_release = defers_release
         self._clock = clock
         self._pools = {
-            LOAD: Workers(load_threads, "kvstore-tier-load"),
-            STORE: Workers(store_threads, "kvstore-tier-store"),
+            LOAD: DaemonWorkers(load_threads, "kvstore-tier-load"),
+            STORE: DaemonWorkers(store_threads, "kvstore-tier-store"),
         }
         self._lock = threading.Condition()
         self._jobs: dict[int, _Job] = {}  # submitted, until reported with every part ended

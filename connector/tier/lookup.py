@@ -27,8 +27,8 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 
 from connector.identity import GROUP_ID_BYTES, KeyMap
 from connector.tier.health import DEADLINE, UNRESPONSIVE, TierHealth
-from connector.tier.jobs import Workers
 from kvstore import Namespace
+from kvstore.io.deadline import DaemonWorkers
 
 # Threads running the probes. vLLM's lookup thread waits for one probe at a time, and no
 # probe starts while the store is unresponsive: one thread stuck in a hung mount, one more for
@@ -49,7 +49,7 @@ class StoreProbe(AsyncLookupManager):  # type: ignore[misc, unused-ignore]  # An
         }
         self._health = health
         self._deadline_s = health.deadlines["lookup"].seconds()
-        self._workers = Workers(PROBE_THREADS, "kvstore-tier-probe")
+        self._workers = DaemonWorkers(PROBE_THREADS, "kvstore-tier-probe")
         super().__init__(tier_type=tier_type)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:

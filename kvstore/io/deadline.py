@@ -13,6 +13,8 @@ SGLang's backend):
   once it has claimed the gate does it copy into the engine's pages. A caller that gave up
   first has abandoned the gate, and the late I/O then never touches the engine's memory; its
   own buffers stay with the stuck thread until the call returns.
+* :class:`DaemonWorkers`: the fixed few threads that make those calls, so that a thread stuck
+  in the kernel never holds up the interpreter's exit and no pool grows behind a hung mount.
 * :class:`Responsiveness`: the store's state as calls see it. A call past its deadline starts
   an *unresponsive episode* (one warning); during it new calls fail fast (:meth:`admit`
   says no) except one trial call at a time, at most one per ``retry_interval_s``, so no
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import ConfigError, StoreTimeoutError
 
-__all__ = ["Deadline", "DeliveryGate", "Responsiveness", "StoreTimeoutError"]
+__all__ = ["DaemonWorkers", "Deadline", "DeliveryGate", "Responsiveness", "StoreTimeoutError"]
 
 Clock = Callable[[], float]
 
@@ -214,6 +217,39 @@ class Responsiveness:
             length,
         )
         return length
+
+
+class DaemonWorkers:
+    """A fixed set of daemon threads running submitted functions in order of submission.
+
+    Daemon threads, not a ``ThreadPoolExecutor``: that one joins its threads at interpreter
+    exit, so a thread stuck in a hung mount would hold up the process's exit. The count never
+    grows: work queued behind stuck threads waits, and its caller's deadline covers it."""
+
+    def __init__(self, count: int, name: str) -> None:
+        if count < 1:
+            raise ConfigError(f"{name}: expected at least 1 thread, got {count}")
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
+            for i in range(count)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the next free thread (it must not raise: report through state)."""
+        self._queue.put(work)
+
+    def close(self) -> None:
+        """Idle threads exit now, busy ones after their work (a stuck one once its call
+        returns); work queued before runs first."""
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def _serve(self) -> None:
+        while (work := self._queue.get()) is not None:
+            work()
 
 
 def _is_seconds(value: object) -> bool:

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from kvstore import ConfigError, StoreIOError, StoreTimeoutError
-from kvstore.io.deadline import Deadline, DeliveryGate, Responsiveness
+from kvstore.io.deadline import DaemonWorkers, Deadline, DeliveryGate, Responsiveness
 
 LOG = logging.getLogger("kvstore.test.deadline")
 
@@ -163,3 +163,40 @@ def test_a_trial_that_returns_in_time_ends_the_episode() -> None:
 def test_responsiveness_refuses_a_bad_interval(retry: object) -> None:
     with pytest.raises(ConfigError, match="retry_interval_s: expected seconds > 0"):
         Responsiveness(where="/x", retry_interval_s=retry, logger=LOG)  # type: ignore[arg-type]
+
+
+def test_daemon_workers_run_in_order_on_a_fixed_set_of_daemon_threads() -> None:
+    workers = DaemonWorkers(2, "kvstore-test-workers")
+    release, done = threading.Event(), threading.Event()
+    ran: list[int] = []
+    names: set[str] = set()
+
+    def stuck() -> None:
+        names.add(threading.current_thread().name)
+        release.wait(10)
+
+    def record(i: int) -> None:
+        names.add(threading.current_thread().name)
+        ran.append(i)
+        if i == 4:
+            done.set()
+
+    before = threading.active_count()
+    workers.submit(stuck)  # one thread blocked, as in a hung mount
+    for i in range(5):
+        workers.submit(lambda i=i: record(i))
+    assert done.wait(10)
+    assert ran == [0, 1, 2, 3, 4]  # the free thread took them in order
+    assert threading.active_count() == before  # none added while one is stuck
+    threads = [t for t in threading.enumerate() if t.name in names]
+    assert threads and all(t.daemon for t in threads)
+    workers.close()
+    release.set()
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def test_daemon_workers_refuse_no_threads() -> None:
+    with pytest.raises(ConfigError, match="at least 1 thread, got 0"):
+        DaemonWorkers(0, "kvstore-test")
