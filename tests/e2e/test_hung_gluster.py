@@ -43,9 +43,7 @@ thawed and the ping timeout restored in every outcome; every wait is bounded.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -58,7 +56,8 @@ from connector.config import ConnectorConfig
 from tests.scaleout import gluster as gl
 
 from .chain import BLOCK, make_prompt
-from .engine import EngineHost, block_files, kvstore_verify, per_batch, temp_files
+from .engine import EngineHost, kvstore_verify, per_batch, temp_files
+from .hung import Job, published, released, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.scaleout]
 
@@ -137,71 +136,6 @@ def gluster(e2e_python: str) -> Iterator[gl.GlusterEnv]:
         gl.stop()
 
 
-class Job:
-    """The engine job on a thread of its own: this test acts while it runs."""
-
-    def __init__(self, host: EngineHost, job: dict[str, Any], workdir: Path) -> None:
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.log = workdir / "hung.log"
-        self._thread = threading.Thread(
-            target=self._run, args=(host, job, workdir), name="engine job", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, host: EngineHost, job: dict[str, Any], workdir: Path) -> None:
-        try:
-            self.result = host.run(job, workdir, "hung")
-        except BaseException as exc:  # re-raised by finish()
-            self.error = exc
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def finish(self, timeout_s: float) -> Any:
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise AssertionError(f"the engine job did not end within {timeout_s:.0f} s")
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def _wait_for(path: Path, job: Job, timeout_s: float) -> float:
-    """Wait until the job creates ``path``; the seconds it took. Fails early if the job ended."""
-    started = time.monotonic()
-    while not path.exists():
-        if not job.alive():
-            job.finish(0)  # raises the job's error
-            raise AssertionError(f"the engine job ended without creating {path.name}")
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"the engine job did not create {path.name} in {timeout_s} s")
-        time.sleep(0.1)
-    return time.monotonic() - started
-
-
-def _published(root: Path, expected: int, timeout_s: float) -> list[Path]:
-    """The block files once ``expected`` of them are on the mount (the first batch's)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        files = sorted(block_files(root)) if root.exists() else []
-        if len(files) >= expected or time.monotonic() > deadline:
-            return files
-        time.sleep(0.5)
-
-
-@contextlib.contextmanager
-def _released(signals: dict[str, Path]) -> Iterator[None]:
-    """On a failure of this test, create every signal file the job may wait for, so that it
-    runs to its end rather than to its wait's timeout."""
-    try:
-        yield
-    except BaseException:
-        for path in signals.values():
-            path.touch()
-        raise
-
-
 def test_a_frozen_brick_never_stalls_the_engine(
     e2e_host: EngineHost,
     tiny_llama: Path,
@@ -224,9 +158,9 @@ def test_a_frozen_brick_never_stalls_the_engine(
     try:
         with gl.ping_timeout(gluster, PING_TIMEOUT_S):  # before the job: restarts the bricks
             running = Job(e2e_host, job, tmp_path)
-            with _released(signals):
-                _wait_for(signals["stored"], running, SIGNAL_TIMEOUT_S)
-                files = _published(root, len(PROMPTS) * FULL, PUBLISH_TIMEOUT_S)
+            with released(signals.values()):
+                wait_for(signals["stored"], running, SIGNAL_TIMEOUT_S)
+                files = published(root, len(PROMPTS) * FULL, PUBLISH_TIMEOUT_S)
                 assert len(files) == len(PROMPTS) * FULL, f"{len(files)} blocks published"
                 bricks = [gl.brick_holding(gluster, f.relative_to(gluster.a.mount)) for f in files]
                 assert set(bricks) == {"s1", "s2"}, bricks  # 18 names: both, but for 2^-17
@@ -235,7 +169,7 @@ def test_a_frozen_brick_never_stalls_the_engine(
                 with gl.frozen_brick(gluster, frozen):
                     frozen_at = time.monotonic()
                     signals["frozen"].touch()
-                    _wait_for(signals["done"], running, SIGNAL_TIMEOUT_S)
+                    wait_for(signals["done"], running, SIGNAL_TIMEOUT_S)
                     figures["frozen_for_s"] = round(time.monotonic() - frozen_at, 1)
                 thawed_at = time.monotonic()
                 readable_s = gl.wait_readable(files, READABLE_TIMEOUT_S)
