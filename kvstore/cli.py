@@ -20,7 +20,7 @@ from kvstore import checksum
 from kvstore.admin import commands as admin_commands
 from kvstore.cli_args import OneLineParser, positive_int, store_root
 from kvstore.errors import KvstoreError
-from kvstore.io import fileproto, stall
+from kvstore.io import fileproto, stall, supervise
 from kvstore.layout.parallel import ParallelLayout
 from kvstore.models import model_names
 from kvstore.native import native_report
@@ -162,5 +162,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
+def entry() -> None:
+    """The console script (and ``python -m kvstore.cli``): :func:`main` in a worker process
+    that a hung mount cannot keep from exiting (kvstore.io.supervise)."""
+    sys.exit(supervise.run(main))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -47,7 +47,7 @@ from kvstore.inspect.render import dumps, spans
 from kvstore.inspect.resolve import BlockRef, find_block, find_namespace, parse_range
 from kvstore.inspect.stats import METRICS, StatRow, attention_stats, mla_stats
 from kvstore.inspect.values import BlockValues, format_values, load_values
-from kvstore.io import stall
+from kvstore.io import stall, supervise
 from kvstore.store.view import GroupView, NamespaceView, StoreView
 
 PROG = "kvstore-inspect"
@@ -468,5 +468,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The console script (and ``python -m kvstore.inspect.cli``): :func:`main` in a worker
+    process that a hung mount cannot keep from exiting (kvstore.io.supervise)."""
+    sys.exit(supervise.run(main))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -5,11 +5,17 @@ a ``stat`` or ``read`` on such a mount blocks without an error. The admin and in
 (``kvstore``, ``kvstore-inspect``) therefore run a watchdog (:func:`watching`): the file-system
 paths they go through (directory listings, block reads, progress updates) call :func:`beat`;
 when no beat came for the stall timeout, the watchdog prints one line naming the root and
-what to check, and exits the process with :data:`EXIT_STALLED`. Leaving the process through
-``os._exit`` ends it at once where the blocked wait is killable (NFS hard mounts); on FUSE a
-request the daemon has already taken is waited for uninterruptibly (the kernel's
-``request_wait_answer``), so there the line comes on time but the process ends, with exit 3,
-only once the mount answers (tests/admin/test_stall.py, the faultfs tests).
+what to check, and exits the process with :data:`EXIT_STALLED`.
+
+Where: in the process itself (a thread that leaves through ``os._exit``: a test calling a
+CLI's ``main``), or, for the console scripts, in a supervising parent
+(:mod:`kvstore.io.supervise`). The difference is the FUSE case: a request the daemon has
+already taken is waited for uninterruptibly (the kernel's ``request_wait_answer``), so a
+process with a thread held there cannot end until the mount answers; its ``os._exit`` prints
+the line on time but exits only after the thaw. A parent that touches no mount can exit at
+once. For it the clock lives in shared memory (:func:`share`: the worker's :func:`beat`
+stays one store of a float) and :func:`watching` publishes the watch there (:func:`overdue`
+is the parent's check) instead of starting a thread.
 
 The timeout is ``KVSTORE_STALL_TIMEOUT_S`` (seconds, default :data:`DEFAULT_TIMEOUT_S`; 0 turns
 the watchdog off). It measures silence, not duration: a long ``gc`` pass beats all the way.
@@ -17,7 +23,9 @@ the watchdog off). It measures silence, not duration: a long ``gc`` pass beats a
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 import sys
 import threading
 import time
@@ -30,26 +38,59 @@ ENV = "KVSTORE_STALL_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
 EXIT_STALLED = 3
 
-_last_beat = time.monotonic()
-_paused = 0  # > 0 while the tool waits on something else than the store (a person, a timer)
+# The clock, three doubles: the last beat (time.monotonic(), one clock for every process of
+# the machine), the depth of paused() (> 0 while the tool waits on something else than the
+# store: a person, a timer), the limit of the watch under way (0: none; only a supervisor reads
+# it). Process memory, or the first bytes of the memory shared with a supervisor (share).
+BEAT, PAUSED, LIMIT = 0, 1, 2
+_TEXT = 32  # shared memory: at _TEXT a 4-byte length, then "program\0root" in UTF-8
+SHARED_BYTES = 4096
+_clock = memoryview(bytearray(_TEXT)).cast("d")
+_shared: mmap.mmap | None = None
 
 
 def beat() -> None:
     """A file-system call just returned: the mount answers (cheap: one store of a float)."""
-    global _last_beat  # noqa: PLW0603 - one process-wide clock the watchdog reads
-    _last_beat = time.monotonic()
+    _clock[BEAT] = time.monotonic()
 
 
 @contextmanager
 def paused() -> Iterator[None]:
     """Silence that is not the store's (a prompt, ``gc --watch`` between passes): not counted."""
-    global _paused  # noqa: PLW0603 - the watchdog's process-wide switch
-    _paused += 1
+    _clock[PAUSED] += 1
     try:
         yield
     finally:
-        _paused -= 1
+        _clock[PAUSED] -= 1
         beat()
+
+
+def share(shared: mmap.mmap) -> None:
+    """In a worker process under a supervisor: keep the clock in ``shared`` (``SHARED_BYTES``,
+    mapped before the fork) and publish watches there instead of running a watchdog here."""
+    global _clock, _shared  # noqa: PLW0603 - the process-wide clock, moved once at the start
+    _clock = memoryview(shared)[:_TEXT].cast("d")
+    _shared = shared
+    beat()
+
+
+def overdue(shared: mmap.mmap) -> tuple[str | None, float]:
+    """The supervisor's check of its worker's clock: (the stall line when the watch under way
+    heard nothing for its limit, else None; seconds until it could be at the earliest)."""
+    clock = memoryview(shared)[:_TEXT].cast("d")
+    try:
+        limit = clock[LIMIT]
+        if limit <= 0 or clock[PAUSED] > 0:
+            return None, 1.0
+        silent = time.monotonic() - clock[BEAT]
+        if silent < limit:
+            return None, limit - silent
+        (size,) = struct.unpack_from("<I", shared, _TEXT)
+        text = shared[_TEXT + 4 : _TEXT + 4 + size].decode(errors="surrogateescape")
+    finally:
+        clock.release()  # an exported view would keep the mapping from closing
+    program, _, root = text.partition("\0")
+    return _line(program, root, silent), 0.0
 
 
 def timeout_from_env() -> float:
@@ -76,6 +117,16 @@ def watching(program: str, root: object, timeout_s: float | None = None) -> Iter
         yield
         return
     beat()
+    if _shared is not None:  # a supervisor watches (kvstore.io.supervise)
+        text = f"{program}\0{root}".encode(errors="surrogateescape")[: SHARED_BYTES - _TEXT - 4]
+        struct.pack_into("<I", _shared, _TEXT, len(text))
+        _shared[_TEXT + 4 : _TEXT + 4 + len(text)] = text
+        _clock[LIMIT] = limit  # last: the watch is on once its words are there
+        try:
+            yield
+        finally:
+            _clock[LIMIT] = 0.0
+        return
     done = threading.Event()
     thread = threading.Thread(
         target=_run, args=(program, str(root), limit, done), name="kvstore-stall", daemon=True
@@ -90,15 +141,19 @@ def watching(program: str, root: object, timeout_s: float | None = None) -> Iter
 
 def _run(program: str, root: str, limit: float, done: threading.Event) -> None:
     while not done.is_set():
-        silent = 0.0 if _paused else time.monotonic() - _last_beat
-        if _paused:
+        silent = 0.0 if _clock[PAUSED] else time.monotonic() - _clock[BEAT]
+        if _clock[PAUSED]:
             beat()
         if silent >= limit:
-            sys.stderr.write(
-                f"{program}: error: the file system of {root} did not answer for {silent:.0f} s "
-                "(a hung mount: an NFS server, a FUSE daemon or a brick that stopped "
-                f"answering?); giving up. Check the mount; {ENV} sets this limit.\n"
-            )
+            sys.stderr.write(_line(program, root, silent))
             sys.stderr.flush()
             os._exit(EXIT_STALLED)
         done.wait(min(1.0, max(0.05, limit - silent)))
+
+
+def _line(program: str, root: str, silent: float) -> str:
+    return (
+        f"{program}: error: the file system of {root} did not answer for {silent:.0f} s "
+        "(a hung mount: an NFS server, a FUSE daemon or a brick that stopped "
+        f"answering?); giving up. Check the mount; {ENV} sets this limit.\n"
+    )

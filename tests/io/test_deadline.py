@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import threading
 
@@ -184,7 +185,7 @@ def test_daemon_workers_run_in_order_on_a_fixed_set_of_daemon_threads() -> None:
     before = threading.active_count()
     workers.submit(stuck)  # one thread blocked, as in a hung mount
     for i in range(5):
-        workers.submit(lambda i=i: record(i))
+        workers.submit(functools.partial(record, i))
     assert done.wait(10)
     assert ran == [0, 1, 2, 3, 4]  # the free thread took them in order
     assert threading.active_count() == before  # none added while one is stuck
