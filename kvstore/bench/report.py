@@ -136,6 +136,8 @@ HAND_SECTIONS = (
     "## Secondary tier vs vLLM fs tier",
     # `--tmpfs` prints its tables to the terminal, not into the page
     "## Fast storage (tmpfs): what kvstore adds to the raw floor",
+    # `--suite scale` (and soak, writers) print their tables; the section reads them by hand
+    "## Store size: admin and inspection at 10^4-10^6 blocks",
     # what the figures above still miss: read from them by hand
     "## Known gaps",
 )
