@@ -4,10 +4,15 @@
 #   1. environment: nvidia-smi, python/torch/CUDA, kvikio and its compat mode, GDS driver;
 #   2. installs what the machine lacks from carried wheels in ./.wheels (no network there),
 #      and says what is still missing (the run goes on with the engines it can use);
-#   3. the `gpu`-marked tests (conformance suite on real CUDA/kvikio, wsum64 on the device);
+#   3. the `gpu`-marked tests: the engine conformance suite on real CUDA/kvikio, wsum64 on the
+#      device, and the integrations' device paths without an engine (tests/test_device_paths.py:
+#      vLLM 0.34's DevicePointers through the worker's resolver into RankIO on CUDA caches at
+#      TP=2 -> TP=4/TP=1, SGLang's PoolStore on a pinned host pool; byte-exact against the host
+#      engine);
 #   4. the engines benchmark (kvstore.bench.engines): write and cold-read GB/s of the host,
 #      pinned and gds engines vs raw O_DIRECT file I/O and vs torch D2H + os.pwrite, with the
-#      0.8x-of-raw targets; plus fio for reference when fio is installed;
+#      0.8x-of-raw targets, at 2 MiB blocks, then a sweep of block sizes (256 KiB - 8 MiB),
+#      batch sizes and threads (SWEEP); plus fio for reference when fio is installed;
 #   5. where SGLang is installed, a real SGLang server with kvstore as HiCache storage, across a
 #      restart (scripts/sglang_gpu_check.py).
 #
@@ -15,7 +20,8 @@
 # step is reported and the next one still runs. Exit status: 0 when the gpu tests passed.
 #
 # Environment: PYTHON (default python3, or ./.venv/bin/python when python3 has no torch),
-# GIB (data per system, default 2), THREADS (8), SCRATCH (benchmark directory, default
+# GIB (data per system, default 2), THREADS (8), SWEEP (KIB:BATCH:THREADS cases; SWEEP_GIB
+# data per system and case, default 0.5; SWEEP= skips it), SCRATCH (benchmark directory, default
 # ./bench-scratch: put it on the filesystem to test), INSTALL=0 to install nothing (a dry run
 # on a development machine).
 #
@@ -35,6 +41,8 @@ if [ -z "${PYTHON:-}" ] && ! "$PY" -c 'import torch' >/dev/null 2>&1 && [ -x .ve
 fi
 GIB="${GIB:-2}"
 THREADS="${THREADS:-8}"
+SWEEP="${SWEEP-256:32:8,1024:32:8,8192:32:8,2048:8:8,2048:128:8,2048:32:2,2048:32:16}"
+SWEEP_GIB="${SWEEP_GIB:-0.5}"
 SCRATCH="${SCRATCH:-./bench-scratch}"
 INSTALL="${INSTALL:-1}"
 SUMMARY="$OUT_DIR/summary.txt"
@@ -80,14 +88,14 @@ MISSING="$(grep -o 'MISSING=.*' "$OUT_DIR/missing.log" | cut -d= -f2-)"
 if [ -n "$MISSING" ] && [ "$INSTALL" = 1 ]; then
     if compgen -G ".wheels/*.whl" >/dev/null; then
         # Offline and without dependency resolution: the carried set is complete by design.
-        step install 240 "$PY" -m pip install --no-index --no-deps .wheels/*.whl
+        step install 120 "$PY" -m pip install --no-index --no-deps .wheels/*.whl
         step missing-after 60 "$PY" "$OUT_DIR/missing.py"
     else
         note "no wheels in ./.wheels: cannot install ($MISSING); continuing without"
     fi
 fi
 if [ "$INSTALL" = 1 ]; then
-    step install-self 120 "$PY" -m pip install --no-index --no-deps --no-build-isolation -e . \
+    step install-self 90 "$PY" -m pip install --no-index --no-deps --no-build-isolation -e . \
         || note "editable install failed; using PYTHONPATH"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -127,8 +135,8 @@ with tempfile.TemporaryDirectory(dir=".") as d:
 EOF
 
 # 3. gpu tests -------------------------------------------------------------------------------
-step gpu-tests 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs \
-    tests/io/test_engine_conformance.py tests/test_checksum_wsum64.py
+step gpu-tests 180 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs \
+    tests/io/test_engine_conformance.py tests/test_checksum_wsum64.py tests/test_device_paths.py
 TESTS_RC=$?
 
 # 4. benchmark -------------------------------------------------------------------------------
@@ -137,11 +145,17 @@ DEVICE="$("$PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else
 if [ "$DEVICE" != cuda ]; then
     DEVICE=cpu
     GIB="${GIB_CPU:-0.0625}"  # a dry run: the CPU stand-ins' logic, not their speed
+    SWEEP_GIB="${GIB_CPU:-0.0625}"
     note "no CUDA: the benchmark runs the CPU stand-ins on $GIB GiB"
 fi
-step bench-engines 240 "$PY" -m kvstore.bench.engines --device "$DEVICE" --gib "$GIB" \
+step bench-engines 120 "$PY" -m kvstore.bench.engines --device "$DEVICE" --gib "$GIB" \
     --threads "$THREADS" --root "$SCRATCH/engines" --json "$OUT_DIR/bench_engines.json"
 rm -rf "$SCRATCH/engines"
+if [ -n "$SWEEP" ]; then
+    step bench-sweep 150 "$PY" -m kvstore.bench.engines --device "$DEVICE" --gib "$SWEEP_GIB" \
+        --cases "$SWEEP" --root "$SCRATCH/sweep" --json "$OUT_DIR/bench_sweep.json"
+    rm -rf "$SCRATCH/sweep"
+fi
 if command -v fio >/dev/null 2>&1; then
     for rw in write read; do
         step "fio-$rw" 60 fio --name="kv$rw" --directory="$SCRATCH" --rw="$rw" --bs=2M \

@@ -1,6 +1,7 @@
 """Engines benchmark: write and cold-read GB/s of each I/O engine against raw file I/O.
 
-``python -m kvstore.bench.engines [--device cuda] [--gib 2] [--engines host,pinned,gds]``
+``python -m kvstore.bench.engines [--device cuda] [--gib 2] [--engines host,pinned,gds]
+[--cases 256:32:8,2048:32:8,...]``
 
 Blocks start (writes) and end (reads) in memory on ``--device``, as KV pages do. Per engine,
 batches go through the engine's own staging and the store's public API
@@ -17,6 +18,9 @@ measured in the same run on the same files' sizes:
 Reads are cold: every file's pages are dropped from the page cache before reading. On a
 machine without CUDA, ``--device cpu`` runs the same code with the CPU stand-ins (the pinned
 and GDS engines' logic, not their speed). ``--checksum`` measures the checksums only.
+
+``--cases`` sweeps block size, batch and threads: each ``KIB:BATCH:THREADS`` is one full run
+(every system, the same data volume), and a last table lines their ratios up.
 """
 
 from __future__ import annotations
@@ -51,9 +55,11 @@ from kvstore.store.types import BlockRead, BlockWrite
 
 ENGINES = ("host", "pinned", "gds")
 BATCH = 32  # blocks per staged batch (one gather, one event)
+HEADS = 8
+BLOCK_KIB_PER_LAYER = 64  # 8 heads x 16 tokens x 128 dims x K,V x bf16
 
 
-def bench_identity(layers: int = 32, heads: int = 8) -> Identity:
+def bench_identity(layers: int = 32, heads: int = HEADS) -> Identity:
     """Llama-8B-like geometry: 8 KV heads x 32 layers x 16 tokens x 128 dims, bf16 = 2 MiB."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     return Identity(
@@ -97,8 +103,8 @@ def _copy_from(rows: torch.Tensor) -> Callable[[torch.Tensor], object]:
     return lambda out: out.copy_(rows)
 
 
-def _batches(n: int) -> list[range]:
-    return [range(i, min(n, i + BATCH)) for i in range(0, n, BATCH)]
+def _batches(n: int, batch: int = BATCH) -> list[range]:
+    return [range(i, min(n, i + batch)) for i in range(0, n, batch)]
 
 
 def run_engine(  # noqa: PLR0913 - one measured run: engine name, scratch root, the data, threads, device and the identity its store opens
@@ -108,6 +114,7 @@ def run_engine(  # noqa: PLR0913 - one measured run: engine name, scratch root, 
     threads: int,
     device: torch.device,
     identity: Identity,
+    batch: int = BATCH,
 ) -> dict[str, Any]:
     """Write every row of ``data`` as a block with engine ``name``, then read them back."""
     config = StoreConfig(root=root).replace(io_mode=name, durability="none", io_threads=threads)
@@ -117,13 +124,13 @@ def run_engine(  # noqa: PLR0913 - one measured run: engine name, scratch root, 
         n, nbytes = data.shape
 
         def write() -> None:
-            for batch in _batches(n):
-                rows = data[batch.start : batch.stop]
-                with staging.store_rows(len(batch), nbytes, device, _copy_from(rows)) as st:
+            for part in _batches(n, batch):
+                rows = data[part.start : part.stop]
+                with staging.store_rows(len(part), nbytes, device, _copy_from(rows)) as st:
                     st.ready.synchronize()  # the batch's copy has run (RankIO.write_staged)
                     src: Any = st.rows if staging.on_device else st.rows.numpy()
                     results = group.write_blocks(
-                        [BlockWrite(_hash(i), src[k]) for k, i in enumerate(batch)]
+                        [BlockWrite(_hash(i), src[k]) for k, i in enumerate(part)]
                     )
                     if not all(r.status.value == "written" for r in results):
                         raise RuntimeError(f"{name}: write failed: {results[0]}")
@@ -131,15 +138,15 @@ def run_engine(  # noqa: PLR0913 - one measured run: engine name, scratch root, 
         dest = torch.empty_like(data)
 
         def read() -> None:
-            for batch in _batches(n):
-                with staging.load_rows(len(batch), nbytes, device) as st:
+            for part in _batches(n, batch):
+                with staging.load_rows(len(part), nbytes, device) as st:
                     out: Any = st.rows if staging.on_device else st.rows.numpy()
                     results = group.read_blocks(
-                        [BlockRead(_hash(i), out[k]) for k, i in enumerate(batch)]
+                        [BlockRead(_hash(i), out[k]) for k, i in enumerate(part)]
                     )
                     if not all(r.ok for r in results):
                         raise RuntimeError(f"{name}: read failed: {results[0]}")
-                    target = dest[batch.start : batch.stop]
+                    target = dest[part.start : part.stop]
                     staging.deliver(st.rows, target.copy_, device)
 
         write_s = _timed(write, device)
@@ -203,7 +210,7 @@ def run_raw_odirect(root: Path, n: int, nbytes: int, threads: int) -> dict[str, 
 
 
 def run_torch_pwrite(
-    root: Path, data: torch.Tensor, threads: int, device: torch.device
+    root: Path, data: torch.Tensor, threads: int, device: torch.device, batch: int = BATCH
 ) -> dict[str, Any]:
     """The naive path: ``.cpu()`` per batch, buffered pwrite per block; reads the reverse."""
     root.mkdir(parents=True, exist_ok=True)
@@ -211,31 +218,31 @@ def run_torch_pwrite(
     dest = torch.empty_like(data)
 
     def write() -> None:
-        for batch in _batches(n):
-            host = data[batch.start : batch.stop].cpu().numpy()
+        for part in _batches(n, batch):
+            host = data[part.start : part.stop].cpu().numpy()
 
-            def one(k: int, host: np.ndarray = host, start: int = batch.start) -> None:
+            def one(k: int, host: np.ndarray = host, start: int = part.start) -> None:
                 fd = os.open(root / f"{start + k}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 try:
                     os.pwrite(fd, host[k].data, 0)
                 finally:
                     os.close(fd)
 
-            _pool_map(threads, one, len(batch))
+            _pool_map(threads, one, len(part))
 
     def read() -> None:
-        for batch in _batches(n):
-            host = np.empty((len(batch), nbytes), dtype=np.uint8)
+        for part in _batches(n, batch):
+            host = np.empty((len(part), nbytes), dtype=np.uint8)
 
-            def one(k: int, host: np.ndarray = host, start: int = batch.start) -> None:
+            def one(k: int, host: np.ndarray = host, start: int = part.start) -> None:
                 fd = os.open(root / f"{start + k}", os.O_RDONLY)
                 try:
                     os.preadv(fd, [host[k].data], 0)
                 finally:
                     os.close(fd)
 
-            _pool_map(threads, one, len(batch))
-            dest[batch.start : batch.stop].copy_(torch.from_numpy(host))
+            _pool_map(threads, one, len(part))
+            dest[part.start : part.stop].copy_(torch.from_numpy(host))
 
     write_s = _timed(write, device)
     drop_tree_cache(root)
@@ -272,10 +279,13 @@ def run(  # noqa: PLR0913 - keyword-only, one per `python -m kvstore.bench.engin
     threads: int,
     engines: Sequence[str],
     layers: int = 32,
+    batch: int = BATCH,
 ) -> dict[str, Any]:
+    """One run: every system writes and cold-reads the same ``gib`` of blocks of ``layers``
+    layers (64 KiB each), ``batch`` blocks per staged batch, on ``threads`` threads."""
     identity = bench_identity(layers)
     nbytes = ShardLayout.for_group(identity.groups[0], 16, 2).block_nbytes
-    n = max(BATCH, int(gib * (1 << 30)) // nbytes)
+    n = max(batch, int(gib * (1 << 30)) // nbytes)
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen).to(device)
     report: dict[str, Any] = {
@@ -283,17 +293,18 @@ def run(  # noqa: PLR0913 - keyword-only, one per `python -m kvstore.bench.engin
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "blocks": n,
         "block_bytes": nbytes,
+        "batch": batch,
         "threads": threads,
         "results": {},
     }
     results: dict[str, Any] = report["results"]
     results["raw_odirect"] = run_raw_odirect(root / "raw", n, nbytes, threads)
     shutil.rmtree(root / "raw", ignore_errors=True)
-    results["torch_pwrite"] = run_torch_pwrite(root / "torch", data, threads, device)
+    results["torch_pwrite"] = run_torch_pwrite(root / "torch", data, threads, device, batch)
     shutil.rmtree(root / "torch", ignore_errors=True)
     for name in engines:
         try:
-            results[name] = run_engine(name, root / name, data, threads, device, identity)
+            results[name] = run_engine(name, root / name, data, threads, device, identity, batch)
         except Exception as exc:  # an engine this machine cannot run: say why, go on
             results[name] = {"skipped": f"{type(exc).__name__}: {exc}"}
         shutil.rmtree(root / name, ignore_errors=True)
@@ -314,7 +325,7 @@ def run(  # noqa: PLR0913 - keyword-only, one per `python -m kvstore.bench.engin
 def table(report: dict[str, Any]) -> str:
     lines = [
         f"{report['blocks']} blocks x {report['block_bytes']} B on {report['device_name']}, "
-        f"{report['threads']} threads, cold reads",
+        f"batches of {report.get('batch', BATCH)}, {report['threads']} threads, cold reads",
         f"{'system':<14}{'write GB/s':>12}{'read GB/s':>12}{'w/raw':>8}{'r/raw':>8}",
     ]
     for name, row in report["results"].items():
@@ -334,6 +345,48 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def parse_cases(text: str) -> list[tuple[int, int, int]]:
+    """``KIB:BATCH:THREADS,...`` -> cases; ValueError naming what is wrong. KIB is a multiple of
+    the 64 KiB one layer holds."""
+    cases = []
+    for item in (t.strip() for t in text.split(",")):
+        parts = item.split(":")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--cases: expected KIB:BATCH:THREADS (integers), got {item!r}")
+        kib, batch, threads = (int(p) for p in parts)
+        if kib < BLOCK_KIB_PER_LAYER or kib % BLOCK_KIB_PER_LAYER or batch < 1 or threads < 1:
+            raise ValueError(
+                f"--cases {item!r}: expected a block size that is a positive multiple of "
+                f"{BLOCK_KIB_PER_LAYER} KiB, batch >= 1 and threads >= 1"
+            )
+        cases.append((kib, batch, threads))
+    return cases
+
+
+def sweep_table(reports: Sequence[dict[str, Any]]) -> str:
+    """One line per case: each system's write/read ratio against raw O_DIRECT."""
+    names = [n for n in reports[0]["results"] if n != "raw_odirect"] if reports else []
+    head = f"{'block':>8}{'batch':>6}{'thr':>5}{'raw w/r GB/s':>15}" + "".join(
+        f"{n + ' w/r':>18}" for n in names
+    )
+    lines = ["ratio to raw O_DIRECT (write/read), same run:", head]
+    for rep in reports:
+        raw = rep["results"]["raw_odirect"]
+        cells = []
+        for name in names:
+            row = rep["results"].get(name, {})
+            cells.append(
+                f"{row['write_vs_raw']:>9.2f}/{row['read_vs_raw']:<8.2f}"
+                if "write_vs_raw" in row
+                else f"{'skipped':>18}"
+            )
+        lines.append(
+            f"{rep['block_bytes'] >> 10:>6}Ki{rep['batch']:>6}{rep['threads']:>5}"
+            f"{raw['write_gbs']:>8.2f}/{raw['read_gbs']:<6.2f}" + "".join(cells)
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_engines", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -343,26 +396,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=None, help="scratch directory")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     parser.add_argument("--checksum", action="store_true", help="measure checksums only")
+    parser.add_argument(
+        "--cases",
+        default=None,
+        help="sweep KIB:BATCH:THREADS,... (block KiB a multiple of 64); default: one 2 MiB run "
+        "with --threads",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.checksum:
         print(json.dumps(run_checksums(device), indent=2))
         return 0
-    scratch = args.root or Path(tempfile.mkdtemp(prefix="kvstore-bench-engines-", dir="."))
     try:
-        report = run(
-            root=scratch.absolute(),
-            device=device,
-            gib=args.gib,
-            threads=args.threads,
-            engines=[e for e in args.engines.split(",") if e],
-        )
+        cases = parse_cases(args.cases) if args.cases else [(2048, BATCH, args.threads)]
+    except ValueError as exc:
+        parser.error(str(exc))
+    scratch = args.root or Path(tempfile.mkdtemp(prefix="kvstore-bench-engines-", dir="."))
+    reports = []
+    try:
+        for kib, batch, threads in cases:
+            report = run(
+                root=scratch.absolute() / f"{kib}-{batch}-{threads}",
+                device=device,
+                gib=args.gib,
+                threads=threads,
+                engines=[e for e in args.engines.split(",") if e],
+                layers=kib // BLOCK_KIB_PER_LAYER,
+                batch=batch,
+            )
+            print(table(report), flush=True)
+            reports.append(report)
+            if args.json is not None:  # after every case: a sweep cut short keeps what it ran
+                args.json.write_text(json.dumps(reports[0] if len(cases) == 1 else reports))
     finally:
         if args.root is None:
             shutil.rmtree(scratch, ignore_errors=True)
-    print(table(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2))
+    if len(reports) > 1:
+        print(sweep_table(reports))
     return 0
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvstore.bench import engines
@@ -32,3 +34,27 @@ def test_engines_bench_runs_every_system_on_cpu(tmp_path: Path) -> None:
 
 def test_checksum_mode_prints_rates(capsys: object) -> None:
     assert engines.main(["--checksum", "--device", "cpu"]) == 0
+
+
+def test_cases_sweep_runs_each_case_and_lines_up_the_ratios(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report_path = tmp_path / "report.json"
+    argv = ["--device", "cpu", "--gib", "0", "--cases", "64:4:1,128:8:2"]
+    assert engines.main([*argv, "--root", str(tmp_path / "s"), "--json", str(report_path)]) == 0
+    reports = json.loads(report_path.read_text())
+    assert [(r["block_bytes"], r["batch"], r["threads"]) for r in reports] == [
+        (64 << 10, 4, 1),
+        (128 << 10, 8, 2),
+    ]
+    for report in reports:
+        assert report["results"]["gds"]["read_gbs"] > 0
+    out = capsys.readouterr().out
+    assert "ratio to raw O_DIRECT (write/read), same run:" in out
+    assert "batches of 8, 2 threads" in out
+
+
+@pytest.mark.parametrize("bad", ["100:4:1", "64:0:1", "64:4", "64:x:1", "0:1:1"])
+def test_malformed_cases_are_refused_naming_the_item(bad: str) -> None:
+    with pytest.raises(ValueError, match=f"{bad!r}"):
+        engines.parse_cases(f"64:1:1,{bad}")
