@@ -20,7 +20,8 @@ from kvstore.callargs import path_bytes
 RENAME_NOREPLACE = 1  # linux/fs.h
 AT_FDCWD = -100
 # errnos meaning "this file system (or kernel) lacks the operation", not "it failed"
-_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
+# renameat2(RENAME_NOREPLACE) refused: the file system (FUSE, NFS) or the C library lacks it.
+NOREPLACE_REFUSED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
 _NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
@@ -86,7 +87,7 @@ def rename_noreplace_at(src_dir_fd: int | None, src: str, dst_dir_fd: int | None
         if _renameat2(src_at, paths[0], dst_at, paths[1], RENAME_NOREPLACE) == 0:
             return
         err = ctypes.get_errno()
-        if err not in _UNSUPPORTED:
+        if err not in NOREPLACE_REFUSED:
             raise OSError(err, os.strerror(err), src, None, dst)
     try:
         if src_dir_fd is None and dst_dir_fd is None:

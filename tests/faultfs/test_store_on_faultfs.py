@@ -8,6 +8,7 @@ after the thaw every call's result is right and ``kvstore verify`` finds the sto
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -88,6 +89,31 @@ def test_the_store_works_through_the_mount(
         f"{ops.get('create')}, writes {ops.get('write')}, links {ops.get('link')}, renames "
         f"{ops.get('rename', 0)}, fsyncs {ops.get('fsync', 0)}, dir fsyncs {ops.get('fsyncdir', 0)}"
     )
+
+
+def test_a_batch_refused_renameat2_is_written_once_from_then_on(
+    faultfs: FaultFS, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without durability, small whole blocks go through the batch call, which names files
+    with renameat2(RENAME_NOREPLACE) alone; this mount refuses it. The first batch's blocks
+    are then written again by the step-by-step path (link + unlink), the refusal is logged
+    once, and every later batch is written once."""
+    caplog.set_level(logging.INFO, logger="kvstore")
+    root = faultfs.mount / "store"
+    with opened(root, durability="none", io_threads=1) as group:
+        write(group, [block_hash(i, "first") for i in range(BLOCKS)])
+        before = faultfs.stats()["ops"]
+        later = [block_hash(i, "later") for i in range(BLOCKS)]
+        write(group, later)
+        after = faultfs.stats()["ops"]
+        assert read_back(group, later) == [True] * BLOCKS
+    creates = after.get("create", 0) - before.get("create", 0)
+    links = after.get("link", 0) - before.get("link", 0)
+    assert (creates, links) == (BLOCKS, BLOCKS), (before, after)
+    refusals = [r for r in caplog.records if "refuses renameat2" in r.getMessage()]
+    assert len(refusals) == 1, [r.getMessage() for r in refusals]
+    assert len(shard_files(faultfs.backing / "store")) == 2 * BLOCKS
+    assert not tmp_files(faultfs.backing / "store")
 
 
 # -- the engine's calls on a frozen mount ------------------------------------------------

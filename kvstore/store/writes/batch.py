@@ -9,10 +9,17 @@ dozen Python calls. Same files as the step-by-step path; a block the call could 
 missing fan-out directory, a full disk, anything but a regular file at its name) goes through
 that path, which recovers or reports it in its words. Larger blocks in one buffer each are
 left to the hashed write, which keeps them in the CPU cache.
+
+The call names each file with ``renameat2(RENAME_NOREPLACE)`` alone. Where the file system
+refuses that flag (FUSE file systems such as GlusterFS, NFS), the step-by-step path's
+``link`` + ``unlink`` names it instead: after the first refusal this array writes step by step,
+so only that first batch is written twice.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -20,12 +27,15 @@ from typing import cast
 
 from kvstore.io.buffers import ThreadStaging
 from kvstore.io.fileio import NEW_FILE_FLAGS, O_DIRECT
+from kvstore.io.rename import NOREPLACE_REFUSED
 from kvstore.io.types import ALREADY_THERE, PUBLISHED, PieceBlock, PiecePlan
 from kvstore.keys import check_hash
 from kvstore.store.files import BlockFiles, Published, new_token
 from kvstore.store.paths import temp_path_for
 from kvstore.store.pieces import PlanCache, batch_spans
 from kvstore.store.types import BlockWrite, WriteStatus
+
+log = logging.getLogger("kvstore")
 
 
 class BatchWrite:
@@ -41,10 +51,13 @@ class BatchWrite:
         self._headers = ThreadStaging()
         self._plans = PlanCache(layout.file_nbytes, index, layout.data_end)
         self._buffers = files.array.plan.writes.batch_buffers
+        self._noreplace_refused = False  # the file system refused renameat2(RENAME_NOREPLACE)
 
     def write(self, writes: Sequence[BlockWrite]) -> list[Published | BaseException] | None:
         """Each block's result, or None: not such a batch (the caller writes it step by
         step)."""
+        if self._noreplace_refused:
+            return None
         batch = self._batch(writes)
         if batch is None:
             return None
@@ -97,6 +110,14 @@ class BatchWrite:
             return WriteStatus.WRITTEN, final.rpartition(os.sep)[0], None
         if code == ALREADY_THERE:
             return WriteStatus.EXISTS, None, None
+        if -code in NOREPLACE_REFUSED and not self._noreplace_refused:
+            self._noreplace_refused = True
+            log.info(
+                "kvstore: %s refuses renameat2(RENAME_NOREPLACE) (%s): blocks are named with "
+                "link + unlink, one by one",
+                final.rpartition(os.sep)[0],
+                errno.errorcode.get(-code, str(-code)),
+            )
         try:  # the step-by-step path recovers (a lost fan-out directory) or reports it
             return self._write_one(req)
         except Exception as exc:  # as Engine.map reports it: this block's result
