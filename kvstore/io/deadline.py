@@ -224,7 +224,8 @@ class DaemonWorkers:
 
     Daemon threads, not a ``ThreadPoolExecutor``: that one joins its threads at interpreter
     exit, so a thread stuck in a hung mount would hold up the process's exit. The count never
-    grows: work queued behind stuck threads waits, and its caller's deadline covers it."""
+    grows: work queued behind stuck threads waits, and its caller's deadline covers it. The
+    threads start at the first :meth:`submit` (a store opened and never used costs none)."""
 
     def __init__(self, count: int, name: str) -> None:
         if count < 1:
@@ -234,16 +235,27 @@ class DaemonWorkers:
             threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
             for i in range(count)
         ]
-        for thread in self._threads:
-            thread.start()
+        self._start_lock = threading.Lock()
+        self._started = False
+        self._closed = False
 
     def submit(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the next free thread (it must not raise: report through state)."""
+        if not self._started:
+            with self._start_lock:
+                if not self._started and not self._closed:
+                    for thread in self._threads:
+                        thread.start()
+                    self._started = True
         self._queue.put(work)
 
     def close(self) -> None:
         """Idle threads exit now, busy ones after their work (a stuck one once its call
         returns); work queued before runs first."""
+        with self._start_lock:
+            self._closed = True
+            if not self._started:
+                return
         for _ in self._threads:
             self._queue.put(None)
 

@@ -28,12 +28,13 @@ share.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TypeVar
 
@@ -46,6 +47,7 @@ from kvstore.errors import BlockMissingError, ConfigError
 from kvstore.io.align import ALIGN, align_up
 from kvstore.io.buffers import ThreadStaging, aligned_buffer, is_aligned
 from kvstore.io.callcheck import check_segments
+from kvstore.io.deadline import DaemonWorkers
 from kvstore.io.entries import FileId
 from kvstore.io.fileio import (
     NEW_FILE_FLAGS,
@@ -125,7 +127,8 @@ class HostEngine:
             else DirectIOProbe(False, "not probed (read-only)")
         )
         self._threads = config.io_threads
-        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
+        # Daemon threads: one stuck in a hung mount must not hold up the process's exit.
+        self._workers = DaemonWorkers(config.io_threads, "kvstore-io")
         self._staging = ThreadStaging()
         self._closed = False
 
@@ -147,7 +150,11 @@ class HostEngine:
             while (i := next(counter)) < n:
                 results[i] = _call(fn, items[i])
 
-        workers = [self._pool.submit(drain) for _ in range(min(self._threads, n) - 1)]
+        workers: list[Future[None]] = []
+        for _ in range(min(self._threads, n) - 1):
+            done: Future[None] = Future()
+            self._workers.submit(functools.partial(_run_into, drain, done))
+            workers.append(done)
         drain()  # the calling thread works too instead of idling
         for worker in workers:
             worker.result()
@@ -399,7 +406,7 @@ class HostEngine:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._pool.shutdown(wait=True)
+            self._workers.close()  # maps in flight keep their threads until they return
 
     def describe(self) -> str:
         """One line naming the engine and its write mode."""
@@ -426,6 +433,16 @@ def _staging_windows(plan: NewFilePlan) -> tuple[list[tuple[int, int, int]], int
             windows.append((start, end, size))
         size = align_up(at + end - first)
     return windows, size
+
+
+def _run_into(work: Callable[[], None], done: Future[None]) -> None:
+    """Run ``work`` on a daemon thread and settle ``done`` with its outcome."""
+    try:
+        work()
+    except BaseException as exc:  # handed to the waiting caller, not lost
+        done.set_exception(exc)
+    else:
+        done.set_result(None)
 
 
 def _call(fn: Callable[[T], R], item: T) -> R | BaseException:

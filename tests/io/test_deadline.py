@@ -182,8 +182,8 @@ def test_daemon_workers_run_in_order_on_a_fixed_set_of_daemon_threads() -> None:
         if i == 4:
             done.set()
 
-    before = threading.active_count()
     workers.submit(stuck)  # one thread blocked, as in a hung mount
+    before = threading.active_count()
     for i in range(5):
         workers.submit(functools.partial(record, i))
     assert done.wait(10)
@@ -196,6 +196,21 @@ def test_daemon_workers_run_in_order_on_a_fixed_set_of_daemon_threads() -> None:
     for thread in threads:
         thread.join(10)
         assert not thread.is_alive()
+
+
+def test_daemon_workers_start_their_threads_at_the_first_submit() -> None:
+    before = threading.active_count()
+    unused = DaemonWorkers(3, "kvstore-test-unused")
+    assert threading.active_count() == before
+    unused.close()
+    unused.submit(lambda: None)  # after close: queued, never run, no thread started
+    assert threading.active_count() == before
+    used = DaemonWorkers(3, "kvstore-test-used")
+    ran = threading.Event()
+    used.submit(ran.set)
+    assert ran.wait(10)
+    assert threading.active_count() == before + 3
+    used.close()
 
 
 def test_daemon_workers_refuse_no_threads() -> None:

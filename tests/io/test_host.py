@@ -6,6 +6,8 @@ import errno
 import fcntl
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -244,6 +246,45 @@ def test_map_keeps_order_and_returns_exceptions(engine: HostEngine) -> None:
     assert engine.map(work, []) == []
     single = engine.map(work, [3])
     assert isinstance(single[0], ValueError)
+
+
+STUCK_IO_THREAD = """
+import sys, threading
+from kvstore.config import StoreConfig
+from kvstore.io.host import HostEngine
+
+engine = HostEngine(StoreConfig(root=sys.argv[1], io_threads=2, direct_io="off"))
+hung, caller_done = threading.Event(), threading.Event()
+
+def work(i):
+    if threading.current_thread().name.startswith("kvstore-io"):
+        hung.set()
+        threading.Event().wait()  # an I/O thread held forever, as by a frozen mount
+    caller_done.wait(30)  # the calling thread waits until an I/O thread took an item
+
+def call():
+    engine.map(work, [0, 1])
+
+threading.Thread(target=call, daemon=True).start()
+assert hung.wait(30), "no I/O thread took an item"
+caller_done.set()
+engine.close()
+print("exiting", flush=True)
+"""
+
+
+def test_a_stuck_io_thread_does_not_hold_up_the_process_exit(tmp_path: Path) -> None:
+    """The I/O threads are daemons: a process whose engine has one stuck in a hung mount
+    still exits (a ThreadPoolExecutor's threads are joined at exit, forever)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", STUCK_IO_THREAD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_write_and_read_segments(engine: HostEngine, tmp_path: Path) -> None:
