@@ -20,6 +20,7 @@ from typing import Any
 from kvstore.inspect import bounded
 from kvstore.inspect.blockfile import check_block
 from kvstore.inspect.bounded import BoundedList, BoundedProblems
+from kvstore.store.paths import BlockFile
 from kvstore.store.view import GroupView, NamespaceView, StoreView
 
 
@@ -35,10 +36,15 @@ def group_summary(group: GroupView, check: bool) -> dict[str, Any]:
     # The limit is read at each call (not bound at import) so tests can make it small.
     problems = BoundedProblems(bounded.LISTED)
     damaged: BoundedList[dict[str, str]] = BoundedList(bounded.LISTED)
-    blocks = on_disk = bad_size = 0
+    blocks = on_disk = bad_size = temps = 0
     oldest: int | None = None
     newest: int | None = None
-    for f in group.iter_files(problems=problems):
+    # One listing of each fan-out directory for blocks and temporaries alike (on a network
+    # file system every listing is round trips per entry).
+    for f in group.paths.list_blocks_and_temps(root=group.store_root, problems=problems):
+        if not isinstance(f, BlockFile):
+            temps += 1
+            continue
         blocks += 1
         on_disk += f.nbytes
         bad_size += not low <= f.nbytes <= high
@@ -48,7 +54,6 @@ def group_summary(group: GroupView, check: bool) -> dict[str, Any]:
             result, _ = check_block(group, f.path)
             if not result.ok:
                 damaged.add({"path": str(f.path), "problem": result.summary()})
-    temps = sum(1 for _ in group.paths.list_temps(root=group.store_root, problems=problems))
     return {
         "group": group.index,
         "kind": spec.kind,

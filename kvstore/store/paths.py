@@ -192,6 +192,26 @@ class ArrayPaths:
         for hi in fanouts:
             yield from list_blocks(self.fanout_dir(hi), hi, root=root, problems=problems)
 
+    def list_blocks_and_temps(
+        self,
+        fanouts: Iterable[int] = FANOUT,
+        *,
+        root: Path | None = None,
+        problems: Problems | None = None,
+    ) -> Iterator[BlockFile | Path]:
+        """:meth:`list_blocks` and :meth:`list_temps` in one listing of each fan-out
+        directory: a published file as a :class:`BlockFile`, a temporary one as its path."""
+        for hi in fanouts:
+            directory = self.fanout_dir(hi)
+            for name, st in _listing(directory, root, problems):
+                lo = parse_lo(name)
+                if lo is not None:
+                    found = _block_or_problem(directory, name, hi, lo, st, problems)
+                    if found is not None:
+                        yield found
+                elif parse_temp_lo(name) is not None and stat.S_ISREG(st.st_mode):
+                    yield directory / name
+
     def block_file(
         self, block_hash: bytes, *, root: Path | None = None, problems: Problems | None = None
     ) -> BlockFile | None:

@@ -4,6 +4,7 @@ of blocks, ``tree`` samples above ``--max-blocks`` and says so, exact totals sta
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from kvstore.inspect import blockfile, bounded
 from kvstore.inspect import tree as tree_view
 from kvstore.inspect.bounded import BoundedList, BoundedProblems
 from kvstore.inspect.resolve import find_namespace
+from kvstore.store import paths
 from kvstore.store.page_store import KVStore
 from kvstore.store.types import BlockWrite, WriteStatus
 from kvstore.store.view import GroupView, StoreView
@@ -179,6 +181,23 @@ def test_overview_and_tree_never_materialise_the_group(
     doc = run_json(run, "overview", reference.root, "--check")
     assert doc["totals"]["blocks"] == sum(len(s.tensors) for s in reference.spaces)
     assert run_json(run, "tree", reference.root, reference.bf16.ns)["summary"]["blocks"] == 13
+
+
+def test_overview_lists_each_fanout_directory_once(
+    reference: Reference, run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks and temporary files come from one listing (each listing of 256 fan-out
+    directories is thousands of round trips on a network file system)."""
+    listed: Counter[str] = Counter()
+    real = paths.iter_dir
+
+    def iter_dir(directory: Path, *args: Any, **kwargs: Any) -> Any:
+        listed[str(directory)] += 1
+        return real(directory, *args, **kwargs)
+
+    monkeypatch.setattr(paths, "iter_dir", iter_dir)
+    run_json(run, "overview", reference.root)
+    assert listed and max(listed.values()) == 1, listed.most_common(3)
 
 
 def test_damaged_blocks_are_counted_all_and_listed_up_to_the_limit(

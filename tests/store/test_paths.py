@@ -67,6 +67,9 @@ def test_array_paths_and_listing_skip_what_is_not_a_block(tmp_path: Path) -> Non
     assert found[0].path_hex == h.hex()[: paths.PATH_HEX_DIGITS]
     assert [p.name for p in array.list_temps()] == [f".{lo}.tmp-ab"]
     assert list(array.list_blocks([hi + 1 if hi < 255 else 0])) == []
+    both = list(array.list_blocks_and_temps())  # one listing: the same blocks and temporaries
+    assert [f for f in both if isinstance(f, paths.BlockFile)] == found
+    assert [f for f in both if isinstance(f, Path)] == list(array.list_temps())
 
 
 def test_listing_reports_what_it_cannot_use(tmp_path: Path) -> None:
@@ -88,6 +91,9 @@ def test_listing_reports_what_it_cannot_use(tmp_path: Path) -> None:
     (why,) = problems.values()  # the link below the root is named, never followed
     assert "expected a directory, got a symbolic link" in why
     assert [f.hash_lo for f in linked.list_blocks([2])] == [9]  # without a root: only the last
+    problems = {}
+    assert list(array.list_blocks_and_temps([1], root=tmp_path, problems=problems)) == []
+    assert list(problems) == [str(good / "5")]
 
 
 def test_prefix_names_the_fanout_directories(tmp_path: Path) -> None:
