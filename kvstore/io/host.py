@@ -140,7 +140,7 @@ class HostEngine:
         results: list[R | BaseException] = [None] * n  # type: ignore[list-item]
         if n == 0:
             return results
-        if n == 1 or self._threads == 1:
+        if n == 1 or self._threads == 1 or self._closed:  # closed: no thread would take work
             for i, item in enumerate(items):
                 results[i] = _call(fn, item)
             return results

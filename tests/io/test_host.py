@@ -248,6 +248,14 @@ def test_map_keeps_order_and_returns_exceptions(engine: HostEngine) -> None:
     assert isinstance(single[0], ValueError)
 
 
+def test_map_after_close_runs_on_the_calling_thread(tmp_path: Path) -> None:
+    """A closed engine's threads are gone: a late map must not wait for them."""
+    eng = HostEngine(StoreConfig(root=tmp_path, io_threads=3, durability="none", direct_io="off"))
+    assert eng.map(lambda i: i + 1, [1, 2, 3]) == [2, 3, 4]  # its threads started and ran
+    eng.close()
+    assert eng.map(lambda i: i * 2, list(range(6))) == [0, 2, 4, 6, 8, 10]
+
+
 STUCK_IO_THREAD = """
 import sys, threading
 from kvstore.config import StoreConfig

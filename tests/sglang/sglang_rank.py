@@ -11,10 +11,15 @@ group (``world_size`` ranks = TP size), builds SGLang 0.5.23's own device pool, 
 
 Pages are saved as raw ``kv_buffer`` slices (``.npy`` of uint8) in the layout's own order, so
 the test compares them by indexing SGLang's buffers, independently of kvstore's mapping.
+
+Exit: status 0 only after the results are saved and the whole group has reached the end; the
+process then leaves through ``os._exit`` (see :func:`_leave`). A crash (SIGABRT, SIGSEGV) prints
+every thread's Python stack to the log first (``faulthandler``).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -43,7 +48,22 @@ def token_slots_to_pages(layout: str, buffer: torch.Tensor, indices: torch.Tenso
     return buffer.index_select(1, pages)
 
 
+def _leave() -> None:
+    """End the process with status 0, skipping the interpreter's finalization.
+
+    At finalization Python 3.11 ends each thread that still asks for the GIL with
+    ``pthread_exit``; a thread inside C++ (a gloo worker releasing a tensor, a torch call
+    returning on one of SGLang's daemon threads) can then be unwound through a ``noexcept``
+    frame, and the process aborts ("terminate called without an active exception", SIGABRT)
+    after its work is done. The results are on disk and the group is torn down: nothing is left for
+    finalization to do."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main(spec_path: str) -> None:
+    faulthandler.enable()
     spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
     rank, world = spec["rank"], spec["world"]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -60,6 +80,10 @@ def main(spec_path: str) -> None:
         tp_rank=rank, tp_size=world, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
     )
     override.__enter__()
+    tokens = list(range(100, 100 + spec["pages"] * T))
+    # The first hash JIT-loads SGLang's native hash extension (a ninja run under file locks):
+    # here, on the main thread before any controller thread exists, not on the prefetch thread.
+    hashes = get_storage_hash_str(tokens, None, page_size=T)
     heads = spec["heads"] // world
     layout = spec["layout"]
     device_pool, host = mha_pools(layout, SIZE, T, heads, D, L)
@@ -75,13 +99,11 @@ def main(spec_path: str) -> None:
         model_name="test/sglang-model",
         storage_backend_extra_config=dict(spec["extra_config"]),
     )
-    tokens = list(range(100, 100 + spec["pages"] * T))
     out = Path(spec["out"])
     result: dict[str, Any] = {"rank": rank}
     if spec["role"] == "write":
         fill(host.kv_buffer, 1000 + rank)
         indices = host.alloc(len(tokens))
-        hashes = get_storage_hash_str(tokens, None, page_size=T)
         controller.write_storage(indices, tokens, hash_value=hashes)
         done = controller.ack_backup_queue.get(timeout=120)
         result["completed_tokens"] = done.completed_tokens
@@ -100,9 +122,13 @@ def main(spec_path: str) -> None:
     backend = controller.storage_backend
     result["stats"] = backend.stats.snapshot() if backend is not None else None
     out.write_text(json.dumps(result))
+    # Stop the controller's threads (joined) and destroy its sync groups before the world
+    # group goes: no thread is left in a collective or a store call.
+    controller.detach_storage_backend()
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    _leave()

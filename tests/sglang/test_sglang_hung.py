@@ -286,9 +286,9 @@ def test_during_an_episode_calls_fail_fast_and_one_trial_reaches_the_store(
     pool = _kv(backend)
     freeze = Freeze(pool.group, "contains", "read_blocks", "write_blocks")
     caplog.set_level(logging.WARNING, logger="kvstore.sglang")
-    workers = _worker_threads()
     try:
         assert _exists(backend) == 0  # the first call: stuck past its deadline
+        workers = _worker_threads()  # the backend's threads start with its first call
         episode = time.monotonic()
         calls: list[tuple[float, float]] = []  # (when, how long)
         while time.monotonic() - episode < 3 * interval:  # three retry intervals

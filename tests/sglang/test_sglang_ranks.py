@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,18 @@ PAGES = 3
 HEADS = 2
 # Axis of the KV heads in the saved pages (uint8 view of kv_buffer slices; see sglang_rank.py).
 HEAD_AXIS = {"layer_first": 4, "page_first": 4, "page_first_direct": 4, "page_head": 2}
+RANK_TIMEOUT_S = 300
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _native_hash_built() -> None:
+    """SGLang's native hash extension is built before any rank process starts.
+
+    Every rank JIT-loads it (torch's ``cpp_extension.load``: a ninja run under SGLang's and
+    torch's file locks); built here once, serially, the ranks only find it up to date."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: PLC0415
+
+    get_storage_hash_str([1, 2, 3, 4], None, page_size=4)
 
 
 def _port() -> int:
@@ -38,12 +51,28 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+def _wait(procs: list[subprocess.Popen[bytes]], deadline: float) -> None:
+    """Wait for every rank; once one fails (or the deadline passes) the others are killed:
+    they would wait for it in a collective until gloo's own timeout."""
+    while any(proc.poll() is None for proc in procs):
+        failed = any(proc.returncode not in (None, 0) for proc in procs)
+        if failed or time.monotonic() > deadline:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            for proc in procs:
+                proc.wait()
+            return
+        time.sleep(0.1)
+
+
 def _run(
     tmp: Path, root: Path, role: str, world: int, layout: str, tag: str
 ) -> list[tuple[dict[str, Any], np.ndarray]]:
-    """Start ``world`` rank processes of one server; their results, by rank."""
+    """Start ``world`` rank processes of one server; their results, by rank. A rank that
+    fails fails the test with every rank's exit status and log."""
     port = _port()
-    procs, outs = [], []
+    procs, outs, logs = [], [], []
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for rank in range(world):
         out = tmp / f"{tag}-{rank}.json"
@@ -60,23 +89,31 @@ def _run(
         }
         path = tmp / f"{tag}-{rank}.spec.json"
         path.write_text(json.dumps(spec))
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.sglang.sglang_rank", str(path)],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+        log = tmp / f"{tag}-{rank}.log"
+        # A file, not a pipe: nothing blocks on a full pipe, and the log outlives a kill.
+        with log.open("wb") as sink:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.sglang.sglang_rank", str(path)],
+                    cwd=REPO,
+                    env=env,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                )
             )
-        )
         outs.append(out)
-    results = []
-    for proc, out in zip(procs, outs, strict=True):
-        log, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, log[-4000:]
-        results.append((json.loads(out.read_text()), np.load(out.with_suffix(".npy"))))
-    return results
+        logs.append(log)
+    _wait(procs, time.monotonic() + RANK_TIMEOUT_S)
+    if any(proc.returncode != 0 for proc in procs):
+        report = [
+            f"--- {role} rank {rank}/{world}: exit status {proc.returncode}\n"
+            + log.read_text(errors="replace")[-4000:]
+            for rank, (proc, log) in enumerate(zip(procs, logs, strict=True))
+        ]
+        pytest.fail(
+            "a rank process failed (a killed one was stopped after it):\n" + "\n".join(report)
+        )
+    return [(json.loads(out.read_text()), np.load(out.with_suffix(".npy"))) for out in outs]
 
 
 def _head(pages: np.ndarray, layout: str, head: int) -> np.ndarray:
