@@ -7,8 +7,8 @@ return futures, which the scheduler thread applies at its next call).
 * ``lookup`` answers from an in-memory view: HIT for a key known present (LRU of
   ``index_capacity`` keys), HIT_PENDING while its publish is running, MISS for a key probed
   absent less than ``miss_ttl_s`` ago or being stored by another request, otherwise RETRY:
-  the key joins a batched existence probe of the shared store (``probe_batch`` keys per task,
-  ``probe_threads`` threads), flushed at the end of the step, and vLLM asks again next step.
+  the key joins a batched existence probe of the shared store
+  (:mod:`connector.offload.probes`), and vLLM asks again next step.
 * **A hung store never stalls scheduling.** A probe not answered within ``lookup_deadline_s``
   (a frozen NFS server, a wedged FUSE daemon) answers its keys MISS (vLLM recomputes them) and
   starts an *unresponsive* episode: one warning, ``vllm:kvstore_store_unresponsive`` 1, every
@@ -99,6 +99,7 @@ from connector.offload.deadlines import MB, WorkerHealth
 from connector.offload.events import StoreEvents
 from connector.offload.executor import PriorityExecutor
 from connector.offload.metrics import StoreMetrics
+from connector.offload.probes import ExistenceProbes
 from connector.offload.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
 from kvstore import KVStore, Namespace, PendingBlock, WriteStatus
 from kvstore.checksum import checksum_id
@@ -170,12 +171,6 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             options.store_deadline_s, options.deadline_min_mb_per_s * MB
         )
         self._present: OrderedDict[bytes, None] = OrderedDict()
-        self._absent: dict[bytes, float] = {}  # key -> time the answer expires
-        self._probing: set[bytes] = set()
-        self._probe_queue: list[bytes] = []
-        # (keys, future, when submitted); past lookup_deadline_s a probe moves to _late
-        self._probes: list[tuple[list[bytes], Future[list[tuple[bytes, bool]]], float]] = []
-        self._late: list[tuple[list[bytes], Future[list[tuple[bytes, bool]]]]] = []
         self._unresponsive_since: float | None = None
         self._pending: dict[bytes, PendingBlock] = {}  # prepared stores, not yet completed
         self._failed_stores: dict[bytes, str] = {}  # key -> cause, reported by a worker
@@ -195,6 +190,15 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self.counters: Counter[str] = Counter()
         # operating: metrics, events, admission, backpressure (docs/metrics.md)
         self.metrics = StoreMetrics()
+        self.probes = ExistenceProbes(
+            pool=self._pool,
+            namespace=namespace,
+            key_map=key_map,
+            options=options,
+            metrics=self.metrics,
+            now=monotonic,
+            remember=self._remember,
+        )
         self.events = StoreEvents(enabled=events_enabled, locality=options.kv_events_locality)
         self.admission = Admission(options.admit_after, options.index_capacity)
         self._block_bytes = {g.index: g.layout.block_nbytes for g in namespace.groups}
@@ -225,19 +229,12 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             return self._answer(k, req_context, LookupResult.MISS)
         if k in self._late_keys:  # its publish is late: not present until its result says so
             return self._answer(k, req_context, LookupResult.MISS)
-        expires = self._absent.get(k)
-        if expires is not None:
-            if expires > self._now():
-                return self._answer(k, req_context, LookupResult.MISS)
-            del self._absent[k]
+        if self.probes.known_absent(k):
+            return self._answer(k, req_context, LookupResult.MISS)
         if self._unresponsive_since is not None:  # a hung store: answer now, probe nothing
             self.metrics.count(m.LOOKUP_TIMEOUTS)
             return self._answer(k, req_context, LookupResult.MISS)
-        if k not in self._probing:
-            self._probing.add(k)
-            self._probe_queue.append(k)
-            if len(self._probe_queue) >= self.options.probe_batch:
-                self._flush_probes()
+        self.probes.ask(k)
         return LookupResult.RETRY
 
     def _answer(self, key: bytes, req_context: ReqContext, result: LookupResult) -> LookupResult:
@@ -255,38 +252,9 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         return result
 
     def on_schedule_end(self, context: object) -> None:
-        self._flush_probes()
+        # keys queued before the store hung are answered missing
+        self.probes.flush(unresponsive=self._unresponsive_since is not None)
         self._drain()
-
-    def _flush_probes(self) -> None:
-        batch, self._probe_queue = self._probe_queue, []
-        if self._unresponsive_since is not None:  # queued before the store hung
-            self._answer_missing(batch)
-            return
-        now = self._now()
-        for start in range(0, len(batch), self.options.probe_batch):
-            chunk = batch[start : start + self.options.probe_batch]
-            future = self._pool.submit(0, functools.partial(self._probe, chunk))
-            self._probes.append((chunk, future, now))
-
-    def _answer_missing(self, keys: Sequence[bytes]) -> None:
-        """Keys whose probe the store did not answer in time: misses for ``miss_ttl_s``."""
-        expires = self._now() + self.options.miss_ttl_s
-        for key in keys:
-            self._probing.discard(key)
-            self._absent[key] = expires
-        self.metrics.count(m.LOOKUP_TIMEOUTS, len(keys))
-
-    def _probe(self, keys: Sequence[bytes]) -> list[tuple[bytes, bool]]:
-        """(background) Which keys have a published block."""
-        by_array: dict[int, list[bytes]] = defaultdict(list)
-        for key in keys:
-            by_array[self.key_map.split(key)[0]].append(key)
-        out: list[tuple[bytes, bool]] = []
-        for array, group_keys in by_array.items():
-            hashes = [self.key_map.split(k)[1] for k in group_keys]
-            out.extend(zip(group_keys, self.namespace.group(array).contains(hashes), strict=True))
-        return out
 
     # -- loads ---------------------------------------------------------------------------------
 
@@ -507,7 +475,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         for key in failed_load_keys:
             k = bytes(key)
             self._present.pop(k, None)
-            self._absent.pop(k, None)
+            self.probes.absent.pop(k, None)
             self.counters["load_failures"] += 1
             cause = causes.get(k, m.IO_ERROR)
             if k in self._pins:  # counted once, when the job completes on every rank
@@ -528,31 +496,11 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
     def _drain(self) -> None:
         """Apply the results of finished background probes and publishes."""
         self._drain_late()
-        if self._probes:
-            waiting = []
-            now = self._now()
-            for keys, future, started in self._probes:
-                if not future.done():
-                    if now - started > self.options.lookup_deadline_s:
-                        self._answer_missing(keys)
-                        self._late.append((keys, future))
-                        self._became_unresponsive(
-                            "an existence probe",
-                            self.options.lookup_deadline_s,
-                            "lookup_deadline_s",
-                            now - started,
-                        )
-                    else:
-                        waiting.append((keys, future, started))
-                    continue
-                try:
-                    results = future.result()
-                except Exception:
-                    log.exception("kvstore: an existence probe failed; keys will be probed again")
-                    self._probing.difference_update(keys)
-                    continue
-                self._apply_probe(results)
-            self._probes = waiting
+        waited = self.probes.collect()
+        if waited is not None:
+            self._became_unresponsive(
+                "an existence probe", self.options.lookup_deadline_s, "lookup_deadline_s", waited
+            )
         if self._publishes:
             waiting_p = []
             now = self._now()
@@ -623,14 +571,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
     def _drain_late(self) -> None:
         """Apply late probes and publishes that returned; the first ends an unresponsive
         episode."""
-        answered = False
-        if self._late and any(f.done() for _, f in self._late):
-            returned = [(keys, f) for keys, f in self._late if f.done()]
-            self._late = [(keys, f) for keys, f in self._late if not f.done()]
-            for _keys, future in returned:
-                if future.exception() is None:
-                    self._apply_probe(future.result())
-            answered = True
+        answered = self.probes.collect_late()
         if self._late_publishes and any(j.future.done() for j in self._late_publishes):
             done = [j for j in self._late_publishes if j.future.done()]
             self._late_publishes = [j for j in self._late_publishes if not j.future.done()]
@@ -689,18 +630,6 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             self._count_unpublished(key, cause or m.write_cause(error))
         self.events.stored(written)
 
-    def _apply_probe(self, results: Iterable[tuple[bytes, bool]]) -> None:
-        expires = self._now() + self.options.miss_ttl_s
-        for key, present in results:
-            self._probing.discard(key)
-            if present:
-                self._remember(key)
-            else:
-                self._absent[key] = expires
-        if len(self._absent) > self.options.index_capacity:
-            now = self._now()
-            self._absent = {k: t for k, t in self._absent.items() if t > now}
-
     def _remember(self, key: bytes) -> None:
         self._present[key] = None
         self._present.move_to_end(key)
@@ -723,7 +652,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         # Orphans keep the engine stepping until the workers' reports of the jobs flushed by
         # a reset come back (vLLM 0.32 stops stepping otherwise; see connector.compat). Jobs
         # past their deadline (late) do not: an idle engine does not spin on a hung mount.
-        return bool(self._probe_queue or self._probes or self._publishes or self._orphans)
+        return bool(self.probes.pending or self._publishes or self._orphans)
 
     def reset_cache(self) -> None:
         """Forget the in-memory view (the store itself is persistent and shared).
@@ -736,7 +665,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         :class:`connector.offload.vllm_connector.KVStoreConnector` counts the reports itself.
         """
         self._present.clear()
-        self._absent.clear()
+        self.probes.absent.clear()
         self._pins.clear()
         self._orphans.extend(self._pending.items())
         self._abort_cause.update(dict.fromkeys(self._pending, m.CACHE_RESET))
@@ -772,12 +701,13 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self.metrics.gauge(m.WRITE_BACKOFF, backoff)
         self.metrics.gauge(m.PENDING_STORE_BYTES, self._pending_bytes)
         self.metrics.gauge(m.PENDING_STORE_BLOCKS, len(self._pending) + len(self._publishing))
-        self.metrics.gauge(m.PENDING_JOBS, len(self._probes) + len(self._late), m.PROBE)
+        probes = self.probes
+        self.metrics.gauge(m.PENDING_JOBS, len(probes.in_flight) + len(probes.late), m.PROBE)
         self.metrics.gauge(m.UNRESPONSIVE, 0 if self._unresponsive_since is None else 1)
         self.metrics.gauge(
             m.PENDING_JOBS, len(self._publishes) + len(self._late_publishes), m.PUBLISH
         )
-        self.metrics.gauge(m.LATE_JOBS, len(self._late), m.PROBE)
+        self.metrics.gauge(m.LATE_JOBS, len(probes.late), m.PROBE)
         self.metrics.gauge(m.LATE_JOBS, len(self._late_publishes), m.PUBLISH)
         health = self._worker_health
         self.metrics.gauge(m.WORKER_UNRESPONSIVE, health.unresponsive)
@@ -807,12 +737,12 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         """Wait for the queued probes and publishes, each no longer than until its deadline
         (and all of them no longer than ``timeout`` seconds), and apply them (tests,
         shutdown). Jobs already late are not waited for: the store did not answer them."""
-        self._flush_probes()
+        self.probes.flush(unresponsive=self._unresponsive_since is not None)
         now, start = self._now(), time.monotonic()
         # Each job's deadline on the real clock (the manager's clock may be a test's).
         ends: dict[Future[Any], float] = {
             f: start + max(0.0, t + self.options.lookup_deadline_s - now)
-            for _, f, t in self._probes
+            for _, f, t in self.probes.in_flight
         }
         ends.update(
             (j.future, start + max(0.0, j.started + j.deadline_s - now)) for j in self._publishes
@@ -831,7 +761,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         """Remove the temporary files nobody will publish, wait for the jobs in flight (each
         until its deadline) and stop. Threads still blocked in a hung store are left behind
         (one line; they are daemons), and the store is not closed (that would join them)."""
-        self._probe_queue.clear()  # nobody will ask again
+        self.probes.queue.clear()  # nobody will ask again
         self._drain()
         # The workers are stopped by now: blocks of unfinished jobs, and of jobs flushed by a
         # reset whose reports never came, are nobody's any more.
@@ -845,7 +775,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         else:  # a hung store: kvstore gc and verify --fix remove orphan temporaries
             left_behind = len(leftovers)
         self.drain()
-        probes = [f for _, f, _ in self._probes] + [f for _, f in self._late]
+        probes = self.probes.futures()
         publishes = [j.future for j in self._publishes + self._late_publishes]
         stuck_probes = sum(not f.done() for f in probes)
         stuck_publishes = sum(not f.done() for f in publishes)

@@ -33,10 +33,10 @@ class FrozenProbe:
     """Replaces a manager's probe: blocks every call until :meth:`thaw` (then answers)."""
 
     def __init__(self, manager: KVStoreManager) -> None:
-        self.real = manager._probe
+        self.real = manager.probes.probe
         self.thawed = threading.Event()
         self.calls = 0
-        manager._probe = self  # type: ignore[method-assign]
+        manager.probes.probe = self  # type: ignore[method-assign]
 
     def __call__(self, keys: Sequence[bytes]) -> list[tuple[bytes, bool]]:
         self.calls += 1
@@ -98,7 +98,7 @@ def test_lookups_answer_miss_past_the_deadline_and_resume_after_thaw(
     # The store answers: the late probe's result is applied, the episode ends (one line,
     # its length counted), and lookups probe the store again.
     deadline = time.monotonic() + 10
-    while manager._late and not all(f.done() for _, f in manager._late):
+    while manager.probes.late and not all(f.done() for _, f in manager.probes.late):
         assert time.monotonic() < deadline
         time.sleep(0.005)
     clock.now += 3.0
@@ -186,7 +186,7 @@ def temporaries(engine: Engine) -> list[Path]:
 
 def in_store(manager: KVStoreManager, stored: Sequence[Any]) -> list[bool]:
     """Whether the store holds a published block of each key (a probe, on this thread)."""
-    return [present for _, present in manager._probe([bytes(k) for k in stored])]
+    return [present for _, present in manager.probes.probe([bytes(k) for k in stored])]
 
 
 def started(frozen: FrozenGroup) -> None:
@@ -210,7 +210,7 @@ def settled(manager: KVStoreManager) -> None:
     deadlines of these tests are short), then apply them."""
     manager.on_schedule_end(None)
     deadline = time.monotonic() + 10
-    while not all(f.done() for _, f, _ in manager._probes) or not all(
+    while not all(f.done() for _, f, _ in manager.probes.in_flight) or not all(
         job.future.done() for job in manager._publishes
     ):
         assert time.monotonic() < deadline, "a job never returned"
@@ -279,7 +279,8 @@ def test_a_late_publish_stops_counting_and_applies_after_the_thaw(
         for _ in range(5):
             assert manager.lookup(keys(6)[0], context) is LookupResult.MISS
             manager.on_schedule_end(None)
-        assert manager._probes == [] and len(hung_lines(caplog)[0]) == 1  # one line per episode
+        # one line per episode
+        assert manager.probes.in_flight == [] and len(hung_lines(caplog)[0]) == 1
         assert gauges(manager, sent) == {"unresponsive": 1, "late": 1, "pending": 1}
         assert manager._pending_bytes == 0  # nothing holds back new stores once it answers
         now_threads = [t for t in threading.enumerate() if t.name.startswith("kvstore-probe")]
@@ -431,18 +432,18 @@ def test_a_late_publish_keeps_its_keys_absent_after_another_job_answered(
         settle(probe, 1)
         clock.now += 2.5  # past both deadlines
         manager.on_schedule_end(None)
-        assert len(manager._late_publishes) == 1 and len(manager._late) == 1
+        assert len(manager._late_publishes) == 1 and len(manager.probes.late) == 1
         assert len(hung_lines(caplog)[0]) == 1  # one episode for both
         probe.thaw()
         deadline = time.monotonic() + 10
-        while not all(f.done() for _, f in manager._late):
+        while not all(f.done() for _, f in manager.probes.late):
             assert time.monotonic() < deadline
             time.sleep(0.005)
         manager.on_schedule_end(None)
         assert manager._unresponsive_since is None and len(hung_lines(caplog)[1]) == 1
         for key in stored:
             assert manager.lookup(key, context) is LookupResult.MISS
-        assert manager._probe_queue == []  # answered without a probe
+        assert manager.probes.queue == []  # answered without a probe
         assert manager.prepare_store(stored, context).keys_to_store == []  # not stored twice
         assert not manager.has_pending_work()
     finally:
