@@ -66,7 +66,6 @@ its parent is not found by prefix lookups), never waited for.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import time
@@ -100,6 +99,7 @@ from connector.offload.events import StoreEvents
 from connector.offload.executor import PriorityExecutor
 from connector.offload.metrics import StoreMetrics
 from connector.offload.probes import ExistenceProbes
+from connector.offload.publishes import Published, Publishes, PublishJob, by_array
 from connector.offload.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
 from kvstore import KVStore, Namespace, PendingBlock, WriteStatus
 from kvstore.checksum import checksum_id
@@ -111,31 +111,12 @@ log = logging.getLogger("kvstore.connector")
 # Load failures after which no engine can load the block: announced as removed.
 _GONE = frozenset({m.MISSING, m.CORRUPT, m.IDENTITY_MISMATCH})
 
-# What a background publish returns per key: status and error text.
-_Published = list[tuple[bytes, WriteStatus, str]]
-
 
 @dataclass
 class _Looked:
     """Per request: keys whose lookup answer was counted."""
 
     keys: set[bytes] = field(default_factory=set)
-
-
-@dataclass
-class _PublishJob:
-    """A background publish: the blocks it publishes (``commit``) and those whose temporary
-    files it removes (``abort``)."""
-
-    future: Future[_Published]
-    started: float  # when submitted: its deadline counts from here
-    deadline_s: float
-    offered: float | None  # when its oldest block to publish was offered (store_seconds)
-    commit: list[bytes]
-    abort: list[bytes]
-    # Its blocks are counted already: given up at its deadline, or aborts whose blocks were
-    # counted when they were dropped. Its result only tells what became present.
-    counted: bool = False
 
 
 class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  # Any w/o vLLM
@@ -167,18 +148,13 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         # Fixed daemon threads: one stuck in a hung file system never holds up the process's
         # exit, and nothing is submitted while the store is known hung (see the module doc).
         self._pool = PriorityExecutor(options.probe_threads, "kvstore-probe")
-        self._publish_deadline = Deadline(
-            options.store_deadline_s, options.deadline_min_mb_per_s * MB
-        )
         self._present: OrderedDict[bytes, None] = OrderedDict()
         self._unresponsive_since: float | None = None
         self._pending: dict[bytes, PendingBlock] = {}  # prepared stores, not yet completed
         self._failed_stores: dict[bytes, str] = {}  # key -> cause, reported by a worker
         self._publishing: set[bytes] = set()
-        self._publishes: list[_PublishJob] = []
-        # Past store_deadline_s: no longer pending work, their blocks counted failed; the keys
-        # of the blocks they publish are not believed present until their result comes back.
-        self._late_publishes: list[_PublishJob] = []
+        # Keys of blocks late publishes (past store_deadline_s: no longer pending work, their
+        # blocks counted failed) publish: not believed present until their result comes back.
         self._late_keys: set[bytes] = set()
         # Pending blocks dropped while the store is unresponsive: their temporary files are
         # removed once it answers (at most the blocks pending when it stopped answering).
@@ -202,6 +178,14 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self.events = StoreEvents(enabled=events_enabled, locality=options.kv_events_locality)
         self.admission = Admission(options.admit_after, options.index_capacity)
         self._block_bytes = {g.index: g.layout.block_nbytes for g in namespace.groups}
+        self.publishes = Publishes(
+            pool=self._pool,
+            namespace=namespace,
+            commit_chunks=self._commit_chunks,
+            deadline=Deadline(options.store_deadline_s, options.deadline_min_mb_per_s * MB),
+            bytes_of=self._bytes_of,
+            now=monotonic,
+        )
         self._pending_bytes = 0  # whole blocks offered and not yet published or aborted
         self._offered_at: dict[bytes, float] = {}  # key -> when prepare_store took it
         self._load_started: dict[bytes, float] = {}  # key -> when prepare_load pinned it
@@ -386,22 +370,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             for k, _ in items:
                 self._offered_at.pop(k, None)
         offered = min((t for t in times if t is not None), default=None)
-        self._submit_publish(dict(commit), dict(abort), offered)
-
-    def _submit_publish(
-        self,
-        commit: dict[int, list[tuple[bytes, PendingBlock]]],
-        abort: dict[int, list[tuple[bytes, PendingBlock]]],
-        offered: float | None,
-        *,
-        counted: bool = False,
-    ) -> None:
-        publish = [k for items in commit.values() for k, _ in items]
-        deadline = self._publish_deadline.seconds(sum(self._bytes_of(k) for k in publish))
-        future = self._pool.submit(0, functools.partial(self._publish, commit, abort))
-        removed = [k for items in abort.values() for k, _ in items]
-        job = _PublishJob(future, self._now(), deadline, offered, publish, removed, counted)
-        self._publishes.append(job)
+        self.publishes.submit(dict(commit), dict(abort), offered)
 
     def _drop_while_unresponsive(
         self,
@@ -424,30 +393,6 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
                 self._release(k)
                 self._count_unpublished(k, self._abort_cause.pop(k, m.IO_ERROR))
                 self._deferred_aborts.append((k, pending))
-
-    def _publish(
-        self,
-        commit: dict[int, list[tuple[bytes, PendingBlock]]],
-        abort: dict[int, list[tuple[bytes, PendingBlock]]],
-    ) -> _Published:
-        """(background) Publish blocks every worker wrote; drop the others' temporary files."""
-        out: _Published = []
-        for array, items in abort.items():
-            self.namespace.group(array).abort_blocks([p for _, p in items])
-            out.extend((k, WriteStatus.FAILED, "") for k, _ in items)
-        for array, items in commit.items():
-            pendings = [p for _, p in items]
-            try:
-                results = self.namespace.group(array).commit_blocks(
-                    pendings, [self._commit_chunks[array]] * len(pendings)
-                )
-                outcomes = [(r.status, r.error) for r in results]
-            except Exception as exc:
-                log.exception("kvstore: publishing %d blocks failed", len(items))
-                self.namespace.group(array).abort_blocks(pendings)
-                outcomes = [(WriteStatus.FAILED, str(exc))] * len(items)
-            out.extend((k, st, err) for (k, _), (st, err) in zip(items, outcomes, strict=True))
-        return out
 
     def note_worker_failures(
         self,
@@ -501,28 +446,22 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             self._became_unresponsive(
                 "an existence probe", self.options.lookup_deadline_s, "lookup_deadline_s", waited
             )
-        if self._publishes:
-            waiting_p = []
-            now = self._now()
-            for job in self._publishes:
-                if job.future.done():
-                    self._apply_job(job)
-                elif now - job.started > job.deadline_s:
-                    self._give_up_publish(job, now - job.started)
-                else:
-                    waiting_p.append(job)
-            self._publishes = waiting_p
+        returned, went_late = self.publishes.collect()
+        for job in returned:
+            self._apply_job(job)
+        for job, waited in went_late:
+            self._give_up_publish(job, waited)
 
-    def _apply_job(self, job: _PublishJob) -> None:
+    def _apply_job(self, job: PublishJob) -> None:
         """A publish that returned in time."""
-        results = _results_of(job)
+        results = job.results()
         if job.counted:
             return
         self._apply_publish(results)
         if job.offered is not None:
             self.metrics.observe(m.STORE_SECONDS, self._now() - job.offered)
 
-    def _give_up_publish(self, job: _PublishJob, waited_s: float) -> None:
+    def _give_up_publish(self, job: PublishJob, waited_s: float) -> None:
         """A publish past its deadline: counted now (its blocks failed, cause timeout; the
         blocks it aborts with their own cause), no longer pending work. The keys it publishes
         are not believed present until its result comes back (:meth:`_apply_late_publish`)."""
@@ -536,16 +475,15 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
                 self._release(k)
                 self._count_unpublished(k, self._abort_cause.pop(k, m.IO_ERROR))
             job.counted = True
-        self._late_publishes.append(job)
         self._became_unresponsive("a publish", job.deadline_s, "store_deadline_s", waited_s)
 
-    def _apply_late_publish(self, job: _PublishJob) -> None:
+    def _apply_late_publish(self, job: PublishJob) -> None:
         """A late publish returned: what it published is present after all (announced as
         if in time; counted already, at its deadline)."""
         self._late_keys.difference_update(job.commit)
         commit = set(job.commit)
         written: list[bytes] = []
-        for key, status, _error in _results_of(job):
+        for key, status, _error in job.results():
             if key in commit and status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
                 self._remember(key)
                 if status is WriteStatus.WRITTEN:
@@ -572,12 +510,10 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         """Apply late probes and publishes that returned; the first ends an unresponsive
         episode."""
         answered = self.probes.collect_late()
-        if self._late_publishes and any(j.future.done() for j in self._late_publishes):
-            done = [j for j in self._late_publishes if j.future.done()]
-            self._late_publishes = [j for j in self._late_publishes if not j.future.done()]
-            for job in done:
-                self._apply_late_publish(job)
-            answered = True
+        returned = self.publishes.collect_late()
+        for job in returned:
+            self._apply_late_publish(job)
+        answered = answered or bool(returned)
         if answered:
             self._store_answered()
 
@@ -597,7 +533,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         )
         if self._deferred_aborts:
             deferred, self._deferred_aborts = self._deferred_aborts, []
-            self._submit_publish({}, _by_array(deferred), None, counted=True)
+            self.publishes.submit({}, by_array(deferred), None, counted=True)
 
     def _release(self, key: bytes) -> None:
         """A block offered to the store is published or given up: its bytes are no longer
@@ -611,7 +547,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         else:
             self.metrics.count(m.FAILED_BLOCKS, 1, m.STORE, cause)
 
-    def _apply_publish(self, results: _Published) -> None:
+    def _apply_publish(self, results: Published) -> None:
         written: list[bytes] = []
         for key, status, error in results:
             self._publishing.discard(key)
@@ -652,7 +588,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         # Orphans keep the engine stepping until the workers' reports of the jobs flushed by
         # a reset come back (vLLM 0.32 stops stepping otherwise; see connector.compat). Jobs
         # past their deadline (late) do not: an idle engine does not spin on a hung mount.
-        return bool(self.probes.pending or self._publishes or self._orphans)
+        return bool(self.probes.pending or self.publishes.pending or self._orphans)
 
     def reset_cache(self) -> None:
         """Forget the in-memory view (the store itself is persistent and shared).
@@ -690,7 +626,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
                 self._count_unpublished(key, self._abort_cause.pop(key, m.CACHE_RESET))
             self._deferred_aborts.extend(orphans)
             return
-        self._submit_publish({}, _by_array(orphans), None)
+        self.publishes.submit({}, by_array(orphans), None)
 
     # -- operating: metrics and events (docs/metrics.md) ----------------------------------------
 
@@ -705,10 +641,10 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self.metrics.gauge(m.PENDING_JOBS, len(probes.in_flight) + len(probes.late), m.PROBE)
         self.metrics.gauge(m.UNRESPONSIVE, 0 if self._unresponsive_since is None else 1)
         self.metrics.gauge(
-            m.PENDING_JOBS, len(self._publishes) + len(self._late_publishes), m.PUBLISH
+            m.PENDING_JOBS, len(self.publishes.in_time) + len(self.publishes.late), m.PUBLISH
         )
         self.metrics.gauge(m.LATE_JOBS, len(probes.late), m.PROBE)
-        self.metrics.gauge(m.LATE_JOBS, len(self._late_publishes), m.PUBLISH)
+        self.metrics.gauge(m.LATE_JOBS, len(self.publishes.late), m.PUBLISH)
         health = self._worker_health
         self.metrics.gauge(m.WORKER_UNRESPONSIVE, health.unresponsive)
         self.metrics.gauge(m.LATE_JOBS, health.late_loads, m.LOAD)
@@ -745,7 +681,8 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             for _, f, t in self.probes.in_flight
         }
         ends.update(
-            (j.future, start + max(0.0, j.started + j.deadline_s - now)) for j in self._publishes
+            (j.future, start + max(0.0, j.started + j.deadline_s - now))
+            for j in self.publishes.in_time
         )
         give_up = math.inf if timeout is None else start + timeout
         while True:
@@ -771,12 +708,12 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self._deferred_aborts = []
         left_behind = 0
         if leftovers and self._unresponsive_since is None:
-            self._submit_publish({}, _by_array(leftovers), None, counted=True)
+            self.publishes.submit({}, by_array(leftovers), None, counted=True)
         else:  # a hung store: kvstore gc and verify --fix remove orphan temporaries
             left_behind = len(leftovers)
         self.drain()
         probes = self.probes.futures()
-        publishes = [j.future for j in self._publishes + self._late_publishes]
+        publishes = self.publishes.futures()
         stuck_probes = sum(not f.done() for f in probes)
         stuck_publishes = sum(not f.done() for f in publishes)
         if stuck_probes or stuck_publishes:
@@ -800,24 +737,6 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             )
         self._pool.shutdown(wait=True)
         self.store.close()
-
-
-def _by_array(
-    blocks: Iterable[tuple[bytes, PendingBlock]],
-) -> dict[int, list[tuple[bytes, PendingBlock]]]:
-    by_array: dict[int, list[tuple[bytes, PendingBlock]]] = defaultdict(list)
-    for key, pending in blocks:
-        by_array[pending.group].append((key, pending))
-    return dict(by_array)
-
-
-def _results_of(job: _PublishJob) -> _Published:
-    """What a returned publish did; a publish that raised published nothing."""
-    error = job.future.exception()
-    if error is None:
-        return job.future.result()
-    log.error("kvstore: publishing %d blocks failed: %s", len(job.commit) + len(job.abort), error)
-    return [(k, WriteStatus.FAILED, str(error)) for k in [*job.commit, *job.abort]]
 
 
 def _empty_store(namespace: str, checksum_algo: int) -> PrepareStoreOutput:

@@ -200,7 +200,7 @@ def started(frozen: FrozenGroup) -> None:
 def wait_returned(manager: KVStoreManager) -> None:
     """Until every late publish's thread returned (after a thaw)."""
     deadline = time.monotonic() + 10
-    while not all(job.future.done() for job in manager._late_publishes):
+    while not all(job.future.done() for job in manager.publishes.late):
         assert time.monotonic() < deadline, "the late publish never returned"
         time.sleep(0.005)
 
@@ -211,7 +211,7 @@ def settled(manager: KVStoreManager) -> None:
     manager.on_schedule_end(None)
     deadline = time.monotonic() + 10
     while not all(f.done() for _, f, _ in manager.probes.in_flight) or not all(
-        job.future.done() for job in manager._publishes
+        job.future.done() for job in manager.publishes.in_time
     ):
         assert time.monotonic() < deadline, "a job never returned"
         time.sleep(0.005)
@@ -273,7 +273,7 @@ def test_a_late_publish_stops_counting_and_applies_after_the_thaw(
         # store job is not published (dropped; its temporary files stay until it answers).
         assert manager.prepare_store(keys(5), context).keys_to_store == []
         manager.complete_store(second, context)
-        assert manager._publishes == [] and frozen.calls == 1
+        assert manager.publishes.in_time == [] and frozen.calls == 1
         assert manager.metrics.counter(m.STORE_DROPPED_BLOCKS, m.UNRESPONSIVE_REASON) == 3
         assert len(temporaries(engine)) == 4  # both jobs' blocks, neither published
         for _ in range(5):
@@ -292,7 +292,7 @@ def test_a_late_publish_stops_counting_and_applies_after_the_thaw(
     manager.on_schedule_end(None)
     # The late publish applied: its blocks are present (one rename each: whole), found
     # without a probe, and not counted a second time; the episode ended (one line).
-    assert manager._late_publishes == [] and manager._unresponsive_since is None
+    assert manager.publishes.late == [] and manager._unresponsive_since is None
     for key in first:
         assert manager.lookup(key, context) is LookupResult.HIT
     assert in_store(manager, first) == [True, True]
@@ -432,7 +432,7 @@ def test_a_late_publish_keeps_its_keys_absent_after_another_job_answered(
         settle(probe, 1)
         clock.now += 2.5  # past both deadlines
         manager.on_schedule_end(None)
-        assert len(manager._late_publishes) == 1 and len(manager.probes.late) == 1
+        assert len(manager.publishes.late) == 1 and len(manager.probes.late) == 1
         assert len(hung_lines(caplog)[0]) == 1  # one episode for both
         probe.thaw()
         deadline = time.monotonic() + 10
