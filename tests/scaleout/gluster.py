@@ -17,7 +17,8 @@ every address below exists only inside these namespaces.
   lives on one brick chosen by a hash of its name, so a rename across hash ranges leaves a
   link file; metadata operations cross the network). Bricks are directories on the local
   disk (``force``: gluster refuses bricks on the root file system otherwise). Volume options
-  are GlusterFS 10's defaults (:data:`VOLUME_OPTIONS` is empty: kvstore needs none).
+  are GlusterFS 10's defaults (kvstore needs none) but ``cluster.min-free-disk``
+  (:data:`VOLUME_OPTIONS`: the tests must not depend on the host disk's free space).
 * Each glusterd runs in its server namespace through ``ip netns exec``, which also gives it a
   private mount namespace: ``/run/gluster`` and ``/var/log/glusterfs`` are bind-mounted to its
   own directories, its working directory and CLI socket are set in its own ``glusterd.vol``.
@@ -92,11 +93,15 @@ MOUNT_OPTIONS = (
 # blocks, and DHT's cross-brick link is two steps that ignore the first step's EEXIST: two
 # nodes publishing one block at once could both succeed (docs/shared-filesystems.md).
 GLUSTER_RSYNC_HASH_REGEX = r"^\.(.+)\.[^.]+$"
-# The volume runs with GlusterFS's defaults: kvstore needs no volume option (O_DIRECT, which
-# bricks can fail under load without network.remote-dio, is off by default on FUSE mounts:
-# kvstore.io.host.probe_direct_io). Options listed here are set at start and on a reused
-# environment; an option set by an earlier version of this module is reset to its default.
-VOLUME_OPTIONS: tuple[tuple[str, str], ...] = ()
+# kvstore needs no volume option (O_DIRECT, which bricks can fail under load without
+# network.remote-dio, is off by default on FUSE mounts: kvstore.io.host.probe_direct_io).
+# The one set: cluster.min-free-disk. Below it (default 10 % free) DHT creates a new file on
+# another brick than its name hashes to, with a link file on that one; both test bricks share
+# the host's disk, so a host disk over 90 % full would move temporaries off their final name's
+# brick and break what the tests check (one data file per block, no link file). Options listed
+# here are set at start and on a reused environment; an option set by an earlier version of
+# this module is reset to its default.
+VOLUME_OPTIONS: tuple[tuple[str, str], ...] = (("cluster.min-free-disk", "0%"),)
 # network.ping-timeout: set for the duration of a fault test (:func:`ping_timeout`); reset
 # here too in case that test was killed before it could restore it.
 RESET_OPTIONS = ("cluster.extra-hash-regex", "network.remote-dio", "network.ping-timeout")
@@ -414,19 +419,22 @@ def _mounted(path: Path) -> bool:
 
 
 def _check_shared(env: GlusterEnv, deadline: float) -> None:
-    """A file written through node A's mount reads back through node B's, and each node can
-    create a directory (DHT creates directories on every brick: all connections are up)."""
+    """A file written through node A's mount reads back through node B's, and a directory each
+    node creates exists on every brick: both clients are connected to both bricks. (A client
+    not yet reconnected to a brick still creates directories, on the bricks it reaches, with a
+    hash layout that gives them every name: the files created under them all land there.)"""
     token = f"{os.getpid()}-{time.time_ns()}"
     probe_a = env.a.mount / f".kvsg-check-{token}"
     probe_b = env.b.mount / probe_a.name
-    script = (
-        f"echo {token} > {probe_a} && cat {probe_b} && "
-        f"mkdir {probe_a}.d && rmdir {probe_a}.d && mkdir {probe_b}.e && rmdir {probe_b}.e"
-    )
+    dirs = [f"{probe_a.name}.d", f"{probe_a.name}.e"]
+    script = f"echo {token} > {probe_a} && cat {probe_b} && mkdir {probe_a}.d && mkdir {probe_b}.e"
     while True:
         ok = _timed(["sh", "-c", script], 10)
+        on_every_brick = all(
+            (env.base / name / "brick" / d).is_dir() for name, _ in SERVERS for d in dirs
+        )
         _timed(["rm", "-rf", str(probe_a), f"{probe_a}.d", f"{probe_b}.e"], 10)
-        if ok is not None and ok.strip() == token:
+        if ok is not None and ok.strip() == token and on_every_brick:
             return
         if time.monotonic() > deadline:
             raise GlusterError("the two nodes do not share the volume (or a brick is down)")
