@@ -32,6 +32,9 @@ ROOT = "/the/root"
 WORKER = f"""
 import os, signal, sys, time
 from kvstore.io import stall, supervise
+# A tool started by a shell or systemd: SIGHUP's default action (a test run under nohup would
+# hand down SIG_IGN, and an ignored signal is discarded, never passed on).
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 mode, arg = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else ""
 def main():
     try:
