@@ -9,36 +9,27 @@ return futures, which the scheduler thread applies at its next call).
   absent less than ``miss_ttl_s`` ago or being stored by another request, otherwise RETRY:
   the key joins a batched existence probe of the shared store
   (:mod:`connector.offload.probes`), and vLLM asks again next step.
-* **A hung store never stalls scheduling.** A probe not answered within ``lookup_deadline_s``
-  (a frozen NFS server, a wedged FUSE daemon) answers its keys MISS (vLLM recomputes them) and
-  starts an *unresponsive* episode: one warning, ``vllm:kvstore_store_unresponsive`` 1, every
-  new lookup a MISS at once and no new probe (the threads stuck in the file system are not
-  joined by more). The stuck probe itself tells when the store answers again: its results are
-  applied, the episode ends with one more line, and lookups probe as before.
-* **Publishes and aborts have a deadline too**: ``store_deadline_s`` (plus the blocks' bytes
-  at ``deadline_min_mb_per_s``: a compressed namespace rewrites them) from their submission.
-  One past it is *late*: no longer pending work (vLLM does not step for it), its blocks
-  counted failed (cause ``timeout``) and no longer believed present or being published (a
-  lookup answers MISS, a store skips them, nothing probes them) until its result comes back;
-  then what it published is remembered and announced, as it would have been in time. A
-  block is published by one rename or not at all, never half. A late publish starts the same
-  unresponsive episode: while it lasts, new stores are dropped (``prepare_store`` offers
-  none; ``complete_store`` and ``abort_orphans`` submit nothing, their blocks counted
-  dropped, their temporary files removed once the store answers), so nothing new joins the
-  threads stuck in the file system. The probe pool is fixed: ``probe_threads`` daemon
-  threads (:class:`connector.offload.executor.PriorityExecutor`), and only jobs submitted
-  before an episode began can queue behind a stuck one (bounded by the keys looked up in
-  ``lookup_deadline_s`` and by ``max_pending_store_bytes``). ``drain`` and ``shutdown`` wait
-  for a job no longer than its deadline; threads still stuck at shutdown are left behind
-  (one line) and the store is not closed (closing it would join them).
+* **A hung store never stalls scheduling** (:mod:`connector.offload.publish_ledger`). A probe
+  not answered within ``lookup_deadline_s`` (a frozen NFS server, a wedged FUSE daemon) answers
+  its keys MISS (vLLM recomputes them); a publish or abort past ``store_deadline_s`` (plus the
+  blocks' bytes at ``deadline_min_mb_per_s``: a compressed namespace rewrites them) is *late*:
+  its blocks counted failed (cause ``timeout``), not believed present until its result comes
+  back. Either starts an *unresponsive* episode (one warning): every new lookup a MISS at once,
+  no new probe, new stores dropped, until a late job returns. The probe pool is fixed:
+  ``probe_threads`` daemon threads (:class:`connector.offload.executor.PriorityExecutor`), and
+  only jobs submitted before an episode began can queue behind a stuck one (bounded by the
+  keys looked up in ``lookup_deadline_s`` and by ``max_pending_store_bytes``). ``drain`` and
+  ``shutdown`` wait for a job no longer than its deadline; threads still stuck at shutdown are
+  left behind (one line) and the store is not closed (closing it would join them).
 * ``prepare_load`` pins the keys, ``complete_load`` unpins them (the connector itself never
   evicts; ``kvstore gc`` runs outside the engine, and a block it removes during a load is a
   load error like any vanished file).
 * ``prepare_store`` skips keys already present, being published or being stored, opens a
   pending block for each other key (:meth:`kvstore.GroupStore.begin_blocks`, with its parent:
   the key ending one block earlier in the same request) and returns a small picklable spec.
-* ``complete_store`` (vLLM calls it once every worker reported the job) publishes the blocks
-  in the background (:meth:`GroupStore.commit_blocks`: checks, rename, directory fsync); the
+* ``complete_store`` (vLLM calls it once every worker reported the job) hands the blocks to
+  :class:`connector.offload.publish_ledger.PublishLedger`, which publishes them in the
+  background (:meth:`GroupStore.commit_blocks`: checks, rename, directory fsync); the
   blocks some worker failed to write are aborted instead (temporary files removed) and, for
   ``write_backoff_s`` seconds, no new stores are offered (a full disk does not fill the log).
 * :meth:`KVStoreManager.note_worker_failures` (from the connector) records those store
@@ -99,9 +90,10 @@ from connector.offload.events import StoreEvents
 from connector.offload.executor import PriorityExecutor
 from connector.offload.metrics import StoreMetrics
 from connector.offload.probes import ExistenceProbes
-from connector.offload.publishes import Published, Publishes, PublishJob, by_array
+from connector.offload.publish_ledger import PublishLedger
+from connector.offload.publishes import Publishes, by_array
 from connector.offload.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
-from kvstore import KVStore, Namespace, PendingBlock, WriteStatus
+from kvstore import KVStore, Namespace, PendingBlock
 from kvstore.checksum import checksum_id
 from kvstore.io.deadline import Deadline
 
@@ -149,16 +141,8 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         # exit, and nothing is submitted while the store is known hung (see the module doc).
         self._pool = PriorityExecutor(options.probe_threads, "kvstore-probe")
         self._present: OrderedDict[bytes, None] = OrderedDict()
-        self._unresponsive_since: float | None = None
         self._pending: dict[bytes, PendingBlock] = {}  # prepared stores, not yet completed
         self._failed_stores: dict[bytes, str] = {}  # key -> cause, reported by a worker
-        self._publishing: set[bytes] = set()
-        # Keys of blocks late publishes (past store_deadline_s: no longer pending work, their
-        # blocks counted failed) publish: not believed present until their result comes back.
-        self._late_keys: set[bytes] = set()
-        # Pending blocks dropped while the store is unresponsive: their temporary files are
-        # removed once it answers (at most the blocks pending when it stopped answering).
-        self._deferred_aborts: list[tuple[bytes, PendingBlock]] = []
         self._pins: Counter[bytes] = Counter()
         # pending at a cache reset, aborted when flushed
         self._orphans: list[tuple[bytes, PendingBlock]] = []
@@ -186,11 +170,19 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             bytes_of=self._bytes_of,
             now=monotonic,
         )
-        self._pending_bytes = 0  # whole blocks offered and not yet published or aborted
+        self.ledger = PublishLedger(
+            root=store.root,
+            now=monotonic,
+            metrics=self.metrics,
+            events=self.events,
+            counters=self.counters,
+            publishes=self.publishes,
+            remember=self._remember,
+            bytes_of=self._bytes_of,
+        )
         self._offered_at: dict[bytes, float] = {}  # key -> when prepare_store took it
         self._load_started: dict[bytes, float] = {}  # key -> when prepare_load pinned it
         self._load_failed: dict[bytes, str] = {}  # key -> cause, reported by a worker
-        self._abort_cause: dict[bytes, str] = {}  # key -> why its pending block is aborted
         self._worker_health = WorkerHealth()  # summed over workers and steps: gauges
 
     # -- lookup --------------------------------------------------------------------------------
@@ -207,15 +199,15 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         if k in self._present:
             self._present.move_to_end(k)
             return self._answer(k, req_context, LookupResult.HIT)
-        if k in self._publishing:
+        if k in self.ledger.publishing:
             return LookupResult.HIT_PENDING
         if k in self._pending:  # another request is storing it; recompute meanwhile
             return self._answer(k, req_context, LookupResult.MISS)
-        if k in self._late_keys:  # its publish is late: not present until its result says so
+        if k in self.ledger.late_keys:  # its publish is late: not present until its result says so
             return self._answer(k, req_context, LookupResult.MISS)
         if self.probes.known_absent(k):
             return self._answer(k, req_context, LookupResult.MISS)
-        if self._unresponsive_since is not None:  # a hung store: answer now, probe nothing
+        if self.ledger.hung:  # a hung store: answer now, probe nothing
             self.metrics.count(m.LOOKUP_TIMEOUTS)
             return self._answer(k, req_context, LookupResult.MISS)
         self.probes.ask(k)
@@ -237,7 +229,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
 
     def on_schedule_end(self, context: object) -> None:
         # keys queued before the store hung are answered missing
-        self.probes.flush(unresponsive=self._unresponsive_since is not None)
+        self.probes.flush(unresponsive=self.ledger.hung)
         self._drain()
 
     # -- loads ---------------------------------------------------------------------------------
@@ -287,13 +279,13 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             k
             for k in offered
             if k in self._present
-            or k in self._publishing
+            or k in self.ledger.publishing
             or k in self._pending
-            or k in self._late_keys
+            or k in self.ledger.late_keys
         }
         self.metrics.count(m.STORE_SKIPPED_BLOCKS, len(present), m.PRESENT)
         candidates = [k for k in offered if k not in present]
-        if self._unresponsive_since is not None:  # workers would only block on the mount
+        if self.ledger.hung:  # workers would only block on the mount
             self.metrics.count(m.STORE_DROPPED_BLOCKS, len(candidates), m.UNRESPONSIVE_REASON)
             return _empty_store(self.namespace.name, self._checksum_algo)
         if self._now() < self._backoff_until:
@@ -332,12 +324,12 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             nbytes = self._bytes_of(k)
             # Once one block is dropped, its descendants in this batch go too.
             dropping = dropping or (
-                self._pending_bytes + nbytes > self.options.max_pending_store_bytes
+                self.ledger.pending_bytes + nbytes > self.options.max_pending_store_bytes
             )
             if dropping:
                 self.metrics.count(m.STORE_DROPPED_BLOCKS, 1, m.BACKPRESSURE)
                 continue
-            self._pending_bytes += nbytes
+            self.ledger.pending_bytes += nbytes
             todo.append(k)
         return todo
 
@@ -356,43 +348,16 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
             if cause is None and not success:
                 cause = m.IO_ERROR  # vLLM says the job failed (no worker said why)
             if cause is not None:
-                self._abort_cause[k] = cause
+                self.ledger.abort_causes[k] = cause
             (abort if cause is not None else commit)[pending.group].append((k, pending))
         if not commit and not abort:
             return
-        if self._unresponsive_since is not None:
-            self._drop_while_unresponsive(commit, abort)
-            return
-        for items in commit.values():
-            self._publishing.update(k for k, _ in items)
         times = [self._offered_at.pop(k, None) for items in commit.values() for k, _ in items]
         for items in abort.values():
             for k, _ in items:
                 self._offered_at.pop(k, None)
         offered = min((t for t in times if t is not None), default=None)
-        self.publishes.submit(dict(commit), dict(abort), offered)
-
-    def _drop_while_unresponsive(
-        self,
-        commit: Mapping[int, list[tuple[bytes, PendingBlock]]],
-        abort: Mapping[int, list[tuple[bytes, PendingBlock]]],
-    ) -> None:
-        """Blocks a job completed while the store is unresponsive: not published (nobody
-        waits for a store; a rename would only join the threads stuck in the file system).
-        Counted now, dropped (or failed with their worker's cause); their temporary files are
-        removed once the store answers."""
-        for items in commit.values():
-            for k, pending in items:
-                self._offered_at.pop(k, None)
-                self._release(k)
-                self._count_unpublished(k, m.UNRESPONSIVE_REASON)
-                self._deferred_aborts.append((k, pending))
-        for items in abort.values():
-            for k, pending in items:
-                self._offered_at.pop(k, None)
-                self._release(k)
-                self._count_unpublished(k, self._abort_cause.pop(k, m.IO_ERROR))
-                self._deferred_aborts.append((k, pending))
+        self.ledger.submit(commit, abort, offered)
 
     def note_worker_failures(
         self,
@@ -440,131 +405,13 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
 
     def _drain(self) -> None:
         """Apply the results of finished background probes and publishes."""
-        self._drain_late()
+        self.ledger.collect_late(probes_answered=self.probes.collect_late())
         waited = self.probes.collect()
         if waited is not None:
-            self._became_unresponsive(
+            self.ledger.began(
                 "an existence probe", self.options.lookup_deadline_s, "lookup_deadline_s", waited
             )
-        returned, went_late = self.publishes.collect()
-        for job in returned:
-            self._apply_job(job)
-        for job, waited in went_late:
-            self._give_up_publish(job, waited)
-
-    def _apply_job(self, job: PublishJob) -> None:
-        """A publish that returned in time."""
-        results = job.results()
-        if job.counted:
-            return
-        self._apply_publish(results)
-        if job.offered is not None:
-            self.metrics.observe(m.STORE_SECONDS, self._now() - job.offered)
-
-    def _give_up_publish(self, job: PublishJob, waited_s: float) -> None:
-        """A publish past its deadline: counted now (its blocks failed, cause timeout; the
-        blocks it aborts with their own cause), no longer pending work. The keys it publishes
-        are not believed present until its result comes back (:meth:`_apply_late_publish`)."""
-        if not job.counted:
-            for k in job.commit:
-                self._publishing.discard(k)
-                self._late_keys.add(k)
-                self._release(k)
-                self._count_unpublished(k, m.TIMEOUT)
-            for k in job.abort:
-                self._release(k)
-                self._count_unpublished(k, self._abort_cause.pop(k, m.IO_ERROR))
-            job.counted = True
-        self._became_unresponsive("a publish", job.deadline_s, "store_deadline_s", waited_s)
-
-    def _apply_late_publish(self, job: PublishJob) -> None:
-        """A late publish returned: what it published is present after all (announced as
-        if in time; counted already, at its deadline)."""
-        self._late_keys.difference_update(job.commit)
-        commit = set(job.commit)
-        written: list[bytes] = []
-        for key, status, _error in job.results():
-            if key in commit and status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
-                self._remember(key)
-                if status is WriteStatus.WRITTEN:
-                    written.append(key)
-        self.counters["blocks_published_late"] += len(written)
-        self.events.stored(written)
-
-    def _became_unresponsive(
-        self, what: str, deadline_s: float, setting: str, waited_s: float
-    ) -> None:
-        if self._unresponsive_since is not None:
-            return
-        self._unresponsive_since = self._now() - waited_s
-        log.warning(
-            "kvstore: the store at %s did not answer %s within %.1f s (%s); lookups answer "
-            "miss (recompute) and stores are dropped until it answers again",
-            self.store.root,
-            what,
-            deadline_s,
-            setting,
-        )
-
-    def _drain_late(self) -> None:
-        """Apply late probes and publishes that returned; the first ends an unresponsive
-        episode."""
-        answered = self.probes.collect_late()
-        returned = self.publishes.collect_late()
-        for job in returned:
-            self._apply_late_publish(job)
-        answered = answered or bool(returned)
-        if answered:
-            self._store_answered()
-
-    def _store_answered(self) -> None:
-        """A late job returned: the store answers again. Ends the episode (one line) and
-        removes the temporary files of the blocks dropped meanwhile."""
-        if self._unresponsive_since is None:
-            return
-        hung = self._now() - self._unresponsive_since
-        self._unresponsive_since = None
-        self.metrics.count(m.UNRESPONSIVE_SECONDS, hung)
-        log.warning(
-            "kvstore: the store at %s answered again after %.1f s unresponsive; lookups "
-            "probe it and stores go to it again",
-            self.store.root,
-            hung,
-        )
-        if self._deferred_aborts:
-            deferred, self._deferred_aborts = self._deferred_aborts, []
-            self.publishes.submit({}, by_array(deferred), None, counted=True)
-
-    def _release(self, key: bytes) -> None:
-        """A block offered to the store is published or given up: its bytes are no longer
-        pending (backpressure)."""
-        self._pending_bytes = max(0, self._pending_bytes - self._bytes_of(key))
-
-    def _count_unpublished(self, key: bytes, cause: str) -> None:
-        self.counters["blocks_not_published"] += 1
-        if cause in (m.CACHE_RESET, m.UNRESPONSIVE_REASON):
-            self.metrics.count(m.STORE_DROPPED_BLOCKS, 1, cause)
-        else:
-            self.metrics.count(m.FAILED_BLOCKS, 1, m.STORE, cause)
-
-    def _apply_publish(self, results: Published) -> None:
-        written: list[bytes] = []
-        for key, status, error in results:
-            self._publishing.discard(key)
-            self._release(key)
-            if status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
-                self._remember(key)
-                if status is WriteStatus.WRITTEN:
-                    self.counters["blocks_published"] += 1
-                    self.metrics.count(m.STORED_BLOCKS)
-                    self.metrics.count(m.STORED_BYTES, self._bytes_of(key))
-                    written.append(key)
-                else:  # another server published it first
-                    self.metrics.count(m.STORE_SKIPPED_BLOCKS, 1, m.PRESENT)
-                continue
-            cause = self._abort_cause.pop(key, None)
-            self._count_unpublished(key, cause or m.write_cause(error))
-        self.events.stored(written)
+        self.ledger.collect()
 
     def _remember(self, key: bytes) -> None:
         self._present[key] = None
@@ -604,7 +451,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self.probes.absent.clear()
         self._pins.clear()
         self._orphans.extend(self._pending.items())
-        self._abort_cause.update(dict.fromkeys(self._pending, m.CACHE_RESET))
+        self.ledger.abort_causes.update(dict.fromkeys(self._pending, m.CACHE_RESET))
         self._pending.clear()
         self._failed_stores.clear()
         self._offered_at.clear()
@@ -620,13 +467,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         orphans, self._orphans = self._orphans, []
         if not orphans:
             return
-        if self._unresponsive_since is not None:
-            for key, _ in orphans:
-                self._release(key)
-                self._count_unpublished(key, self._abort_cause.pop(key, m.CACHE_RESET))
-            self._deferred_aborts.extend(orphans)
-            return
-        self.publishes.submit({}, by_array(orphans), None)
+        self.ledger.abort_orphans(orphans)
 
     # -- operating: metrics and events (docs/metrics.md) ----------------------------------------
 
@@ -635,11 +476,11 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self._drain()
         backoff = 1 if self._now() < self._backoff_until else 0
         self.metrics.gauge(m.WRITE_BACKOFF, backoff)
-        self.metrics.gauge(m.PENDING_STORE_BYTES, self._pending_bytes)
-        self.metrics.gauge(m.PENDING_STORE_BLOCKS, len(self._pending) + len(self._publishing))
+        self.metrics.gauge(m.PENDING_STORE_BYTES, self.ledger.pending_bytes)
+        self.metrics.gauge(m.PENDING_STORE_BLOCKS, len(self._pending) + len(self.ledger.publishing))
         probes = self.probes
         self.metrics.gauge(m.PENDING_JOBS, len(probes.in_flight) + len(probes.late), m.PROBE)
-        self.metrics.gauge(m.UNRESPONSIVE, 0 if self._unresponsive_since is None else 1)
+        self.metrics.gauge(m.UNRESPONSIVE, 0 if self.ledger.since is None else 1)
         self.metrics.gauge(
             m.PENDING_JOBS, len(self.publishes.in_time) + len(self.publishes.late), m.PUBLISH
         )
@@ -673,7 +514,7 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         """Wait for the queued probes and publishes, each no longer than until its deadline
         (and all of them no longer than ``timeout`` seconds), and apply them (tests,
         shutdown). Jobs already late are not waited for: the store did not answer them."""
-        self.probes.flush(unresponsive=self._unresponsive_since is not None)
+        self.probes.flush(unresponsive=self.ledger.hung)
         now, start = self._now(), time.monotonic()
         # Each job's deadline on the real clock (the manager's clock may be a test's).
         ends: dict[Future[Any], float] = {
@@ -702,12 +543,11 @@ class KVStoreManager(OffloadingManager):  # type: ignore[misc, unused-ignore]  #
         self._drain()
         # The workers are stopped by now: blocks of unfinished jobs, and of jobs flushed by a
         # reset whose reports never came, are nobody's any more.
-        leftovers = [*self._pending.items(), *self._orphans, *self._deferred_aborts]
+        leftovers = [*self._pending.items(), *self._orphans, *self.ledger.take_deferred()]
         self._pending.clear()
         self._orphans.clear()
-        self._deferred_aborts = []
         left_behind = 0
-        if leftovers and self._unresponsive_since is None:
+        if leftovers and self.ledger.since is None:
             self.publishes.submit({}, by_array(leftovers), None, counted=True)
         else:  # a hung store: kvstore gc and verify --fix remove orphan temporaries
             left_behind = len(leftovers)

@@ -23,7 +23,8 @@
   a multi-group model, is reported ``success=False`` and vLLM recomputes the request
   (:meth:`KVStoreWorker._fails_in_vllm`); a partial failure stays block-level. The keys of
   failed stores and loads go to the scheduler on every version (it then does not publish
-  those blocks and forgets those it believed present). One log line per failed job.
+  those blocks and forgets those it believed present). One log line per failed job
+  (:class:`connector.offload.outcomes.FailureReports` keeps what failed).
 * **A hung store never stalls the engine** (:mod:`.deadlines`). A job not done within its
   deadline (``load_deadline_s``, ``store_deadline_s``, plus its bytes at
   ``deadline_min_mb_per_s``; counted from its submission, so a job queued behind blocked
@@ -45,7 +46,7 @@ import logging
 import math
 import os
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -62,14 +63,22 @@ from connector.offload import metrics as m
 from connector.offload.deadlines import Gates, JobDeadlines, StoreWatch, WorkerHealth
 from connector.offload.executor import EXPEDITED, LOAD, STORE, PriorityExecutor
 from connector.offload.job_blocks import BlockResolver, JobBlocks
-from connector.offload.metrics import error_cause, merge_causes, read_cause
+from connector.offload.metrics import read_cause
+from connector.offload.outcomes import (
+    FailureReports,
+    Outcome,
+    fail,
+    failed,
+    read_reason,
+    unresponsive,
+)
 from connector.offload.streams import PASSED, AllOf, EventFence, Fence, Streams, streams_for
 from connector.offload.transfer_specs import KVStoreLoadSpec, KVStoreStoreSpec
 from connector.rank import RankContext, certify, check_mapping, family_of, group_tensors
 from kvstore import Identity, KVStore, LayoutError, Namespace, StoreTimeoutError
 from kvstore.io.deadline import DeliveryGate
 from kvstore.rank_io import RankIO, StagedShares
-from kvstore.store.types import PendingBlock, ReadStatus
+from kvstore.store.types import PendingBlock
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -96,16 +105,6 @@ class WorkerGroup:
 
 
 @dataclass
-class _Outcome:
-    nbytes: int = 0
-    failed_keys: list[bytes] = field(default_factory=list)
-    failed_blocks: list[int] = field(default_factory=list)
-    reasons: Counter[str] = field(default_factory=Counter)
-    causes: dict[bytes, str] = field(default_factory=dict)  # failed key -> metrics cause
-    whole_job: bool = False  # the job failed as a whole (raised, given up, failed fast)
-
-
-@dataclass
 class _Job:
     job_id: int
     is_load: bool
@@ -113,7 +112,7 @@ class _Job:
     blocks: Sequence[int]  # GPU block ids (loads: what to report if the job itself fails)
     started: float
     fence: Fence  # store: snapshot taken
-    future: Future[_Outcome]
+    future: Future[Outcome]
     req_id: str = ""
     expedited: bool = False
     gates: Gates = field(default_factory=lambda: Gates(1))
@@ -153,11 +152,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         )
         self._executor = PriorityExecutor(threads, "kvstore-worker")
         self._jobs: dict[int, _Job] = {}
-        self._load_error_blocks: set[int] = set()
-        self._failed_load_requests: set[str] = set()
-        self._failed_store_keys: list[bytes] = []
-        self._failed_load_keys: list[bytes] = []
-        self._failure_causes: dict[bytes, str] = {}  # failed key -> connector.offload.metrics cause
+        self.reports = FailureReports()  # failed jobs, drained by the connector
         # TEST ONLY (tests/e2e negative control): zero every verified page after loading it,
         # to show that the loaded bytes are what the engine computes with.
         self._perturb_loads = os.environ.get(PERTURB_LOADS_ENV) == "1"
@@ -190,7 +185,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         """Snapshot this rank's share and queue the write, or, while the store is
         unresponsive and this is no trial, drop the job (no snapshot, no thread)."""
         if not self.watch.responsiveness.admit():
-            job.future = _done(_unresponsive(job.keys, []))
+            job.future = _done(unresponsive(job.keys, []))
             return
         snapshot, stream_fence = self.streams.snapshot(
             lambda: [
@@ -236,7 +231,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         """Queue the reads, or, while the store is unresponsive and this is no trial, fail
         the job at once (no thread)."""
         if not self.watch.responsiveness.admit():
-            job.future = _done(_unresponsive(job.keys, job.blocks))
+            job.future = _done(unresponsive(job.keys, job.blocks))
             return
         job.gates = Gates(len(parts))
         job.deadline = job.started + self.deadlines.load.seconds(job.nbytes)
@@ -255,7 +250,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
             del self._jobs[job_id]
             outcome = self._outcome(job)
             success = not self._fails_in_vllm(job, outcome)
-            self._record(job, outcome, vllm_recomputes_request=not success)
+            self.reports.record(job, outcome, vllm_recomputes_request=not success)
             results.append(
                 TransferResult(
                     job_id=job_id,
@@ -266,7 +261,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
             )
         return results
 
-    def _outcome(self, job: _Job) -> _Outcome:
+    def _outcome(self, job: _Job) -> Outcome:
         """What a finished or given-up job reports. A job given up fails as a whole (cause
         timeout) whatever its thread returns, if it ever does (it is then held as late)."""
         blocks = job.blocks if job.is_load else []
@@ -275,11 +270,11 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
                 self.watch.hold(job.future, job.is_load, job.nbytes)
             setting = "load_deadline_s" if job.is_load else "store_deadline_s"
             error = StoreTimeoutError(f"not done within its deadline ({setting})")
-            return _failed(job.keys, blocks, error, m.TIMEOUT)
+            return failed(job.keys, blocks, error, m.TIMEOUT)
         try:
             return job.future.result()
         except Exception as exc:  # the whole job failed: all of its blocks did
-            return _failed(job.keys, blocks, exc)
+            return failed(job.keys, blocks, exc)
 
     def _give_up(self, job: _Job) -> bool:
         """(past its deadline, not done) Stop waiting for ``job``; the store is unresponsive
@@ -292,7 +287,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         self.watch.responsiveness.timed_out(what, time.monotonic() - job.started, setting)
         return job.gates.abandon()
 
-    def _fails_in_vllm(self, job: _Job, outcome: _Outcome) -> bool:
+    def _fails_in_vllm(self, job: _Job, outcome: Outcome) -> bool:
         """Whether a load is reported to vLLM as a failed job (``success=False``).
 
         Only where vLLM takes failed jobs (0.34, :data:`compat.VLLM_REPORTS_FAILED_JOBS`); it
@@ -355,24 +350,19 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
 
     def take_load_error_blocks(self) -> set[int]:
         """GPU block ids whose load failed since the last call."""
-        out, self._load_error_blocks = self._load_error_blocks, set()
-        return out
+        return self.reports.take_load_error_blocks()
 
     def take_failed_load_requests(self) -> set[str]:
         """Requests with a failed load since the last call."""
-        out, self._failed_load_requests = self._failed_load_requests, set()
-        return out
+        return self.reports.take_failed_load_requests()
 
     def take_failed_keys(self) -> tuple[list[bytes], list[bytes]]:
         """(keys of failed stores, keys of failed loads) since the last call."""
-        out = (self._failed_store_keys, self._failed_load_keys)
-        self._failed_store_keys, self._failed_load_keys = [], []
-        return out
+        return self.reports.take_failed_keys()
 
     def take_failure_causes(self) -> dict[bytes, str]:
         """Why each key of :meth:`take_failed_keys` failed (:mod:`.metrics` causes)."""
-        out, self._failure_causes = self._failure_causes, {}
-        return out
+        return self.reports.take_failure_causes()
 
     def take_health(self) -> WorkerHealth:
         """Late jobs and unresponsive time since the last call (:class:`.deadlines.StoreWatch`)."""
@@ -402,16 +392,16 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         work: list[_Work],
         snapshot: list[StagedShares],
         gate: DeliveryGate,
-    ) -> _Outcome:
+    ) -> Outcome:
         """(job thread) Write the staged shares. Given up (``gate`` abandoned: reported
         failed, never published), the shares not yet written go back unwritten."""
-        outcome = _Outcome()
+        outcome = Outcome()
         try:
             fence.wait()
         except Exception as exc:
             for (_, _, keys, _), shares in zip(work, snapshot, strict=True):
                 shares.release()
-                _fail(outcome, keys, [], exc)
+                fail(outcome, keys, [], exc)
             return outcome
         wrote = False
         try:
@@ -428,7 +418,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
                     if error is None:
                         outcome.nbytes += group.rank_io.mapping.share_bytes
                     else:
-                        _fail(outcome, [key], [], error)
+                        fail(outcome, [key], [], error)
         finally:
             if wrote:  # the store answered (a job given up while queued learned nothing)
                 self.watch.responsiveness.answered()
@@ -438,24 +428,24 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
 
     def _read(
         self, fence: Fence, parts: list[_Part], keys: Sequence[bytes], gates: Gates
-    ) -> _Outcome:
+    ) -> Outcome:
         """(job thread) Read and deliver the parts, each through its gate. A job given up
         while it was queued reads nothing (it was reported failed)."""
-        outcome = _Outcome()
+        outcome = Outcome()
         if gates.abandoned:
             return outcome
         try:
             self.streams.run_after(fence, lambda: self._read_now(parts, keys, outcome, gates))
         except Exception as exc:  # e.g. the device copy failed: nothing can be trusted
-            outcome = _Outcome()
+            outcome = Outcome()
             for _, indices, block_ids in parts:
-                _fail(outcome, [keys[i] for i in indices], block_ids, exc)
+                fail(outcome, [keys[i] for i in indices], block_ids, exc)
         finally:
             self.watch.responsiveness.answered()
         return outcome
 
     def _read_now(
-        self, parts: list[_Part], keys: Sequence[bytes], outcome: _Outcome, gates: Gates
+        self, parts: list[_Part], keys: Sequence[bytes], outcome: Outcome, gates: Gates
     ) -> None:
         for (group, indices, block_ids), gate in zip(parts, gates.gates, strict=True):
             if not indices:
@@ -464,7 +454,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
             try:
                 results = group.rank_io.load(group.tensors, hashes, block_ids, gate)
             except Exception as exc:
-                _fail(outcome, [keys[i] for i in indices], block_ids, exc)
+                fail(outcome, [keys[i] for i in indices], block_ids, exc)
                 continue
             loaded = []
             for i, block_id, result in zip(indices, block_ids, results, strict=True):
@@ -474,7 +464,7 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
                 else:
                     outcome.failed_keys.append(keys[i])
                     outcome.failed_blocks.append(block_id)
-                    outcome.reasons[_reason(result.status)] += 1
+                    outcome.reasons[read_reason(result.status)] += 1
                     outcome.causes[keys[i]] = read_cause(result.status, result.error)
             if self._perturb_loads and loaded:
                 _perturb_pages(group, loaded)
@@ -504,38 +494,6 @@ class KVStoreWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]  # A
         if by_array:
             raise LayoutError(f"job has keys of arrays {sorted(by_array)} it lists no blocks for")
         return parts
-
-    def _record(self, job: _Job, outcome: _Outcome, vllm_recomputes_request: bool) -> None:
-        if not outcome.failed_keys:
-            return
-        kind = "load" if job.is_load else "store"
-        detail = ", ".join(f"{n} {r}" for r, n in outcome.reasons.most_common())
-        if not job.is_load:
-            consequence = "they are not published"
-        elif vllm_recomputes_request:
-            consequence = "reported as a failed job: the engine recomputes the request"
-        else:
-            consequence = "the engine recomputes them"
-        # A hung store's jobs are told once per episode (Responsiveness), not once each.
-        hung = set(outcome.causes.values()) <= {m.TIMEOUT, m.UNRESPONSIVE_REASON}
-        (log.debug if hung else log.warning)(
-            "kvstore: %s job %d: %d of %d blocks failed (%s); %s",
-            kind,
-            job.job_id,
-            len(outcome.failed_keys),
-            len(job.keys),
-            detail,
-            consequence,
-        )
-        merge_causes(self._failure_causes, outcome.causes)
-        if job.is_load:
-            self._failed_load_keys.extend(outcome.failed_keys)
-            if not vllm_recomputes_request:
-                self._load_error_blocks.update(outcome.failed_blocks)
-                if job.req_id:
-                    self._failed_load_requests.add(job.req_id)
-        else:
-            self._failed_store_keys.extend(outcome.failed_keys)
 
 
 def build_worker(  # noqa: PLR0913 - keyword-only: each a distinct object KVStoreSpec.get_worker holds (vLLM's caches and layer views, identity, key map, facts, rank, store); a bundle would only rename the spec
@@ -595,58 +553,14 @@ def _perturb_pages(group: WorkerGroup, block_ids: Sequence[int]) -> None:
             tensor[rows, : mapping.page_bytes] = 0
 
 
-def _fail(
-    outcome: _Outcome,
-    keys: Sequence[bytes],
-    blocks: Sequence[int],
-    exc: Any,
-    cause: str | None = None,
-) -> None:
-    outcome.failed_keys.extend(keys)
-    outcome.failed_blocks.extend(blocks)
-    outcome.reasons[_error_text(exc)] += len(keys)
-    cause = cause or error_cause(exc)
-    for key in keys:
-        outcome.causes[key] = cause
-
-
-def _failed(
-    keys: Sequence[bytes], blocks: Sequence[int], exc: BaseException, cause: str | None = None
-) -> _Outcome:
-    """A job failed as a whole: all of its blocks, with ``exc`` (and ``cause``, else the
-    cause ``exc`` tells)."""
-    outcome = _Outcome(whole_job=True)
-    _fail(outcome, keys, blocks, exc, cause)
-    return outcome
-
-
-def _unresponsive(keys: Sequence[bytes], blocks: Sequence[int]) -> _Outcome:
-    """A job failed at once, never sent to a store found unresponsive."""
-    error = StoreTimeoutError("the store is unresponsive: not tried")
-    return _failed(keys, blocks, error, m.UNRESPONSIVE_REASON)
-
-
-def _error_text(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if len(text) <= 160 else text[:157] + "..."
-
-
-def _reason(status: ReadStatus) -> str:
-    return {
-        ReadStatus.MISS: "missing",
-        ReadStatus.CORRUPT: "corrupt, quarantined",
-        ReadStatus.ERROR: "read error",
-    }.get(status, status.value)
-
-
 def _expect(kind: type[_S], spec: LoadStoreSpec) -> _S:
     if not isinstance(spec, kind):
         raise TypeError(f"expected a {kind.__name__}, got {type(spec).__name__}")
     return spec
 
 
-def _failed_future(exc: BaseException) -> Future[_Outcome]:
-    future: Future[_Outcome] = Future()
+def _failed_future(exc: BaseException) -> Future[Outcome]:
+    future: Future[Outcome] = Future()
     future.set_exception(exc)
     return future
 
@@ -657,8 +571,8 @@ def _wait_until_deadline(job: _Job) -> None:
     wait_futures([job.future], timeout=timeout)
 
 
-def _done(outcome: _Outcome | None = None) -> Future[_Outcome]:
+def _done(outcome: Outcome | None = None) -> Future[Outcome]:
     """A finished job (nothing for this rank to move, or failed at once)."""
-    future: Future[_Outcome] = Future()
-    future.set_result(outcome if outcome is not None else _Outcome())
+    future: Future[Outcome] = Future()
+    future.set_result(outcome if outcome is not None else Outcome())
     return future

@@ -6,8 +6,9 @@ vLLM 0.33 loads it from ``secondary_tiers`` of ``TieringOffloadingSpec`` by
 when to use it instead of the direct connector). Modules, one job each: ``config`` (the tier's
 keys), ``chunks`` (CPU-tier rows <-> canonical blocks, through :mod:`kvstore.layout`),
 ``lookup`` (vLLM's async existence probes against the store), ``jobs`` (load and store
-threads, each job's deadline), ``health`` (the deadlines, the store's responsiveness on a hung
-mount, the ``vllm:kvstore_tier_*`` metrics), ``manager`` (the ``SecondaryTierManager``).
+threads, each job's deadline), ``transfers`` (one part of a store or promotion job, on a job
+thread), ``health`` (the deadlines, the store's responsiveness on a hung mount, the
+``vllm:kvstore_tier_*`` metrics), ``manager`` (the ``SecondaryTierManager``).
 """
 
 from __future__ import annotations

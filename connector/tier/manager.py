@@ -14,10 +14,11 @@ once (tiering/base.py):
   otherwise vLLM's async lookup (:class:`connector.tier.lookup.StoreProbe`): RETRY while the
   batched existence probe runs, then its verdict;
 * ``submit_store`` / ``submit_load``: queue the job on the store / load threads
-  (:class:`connector.tier.jobs.JobRunner`); a store copies the chunks out of the rows into its
-  thread's staging buffer (a contiguous copy of each row's span, written as pieces, where the
-  canonical chunks are whole runs of the row: :meth:`ChunkMap.source_views`; otherwise a
-  gather into canonical blocks) and publishes their canonical blocks
+  (:class:`connector.tier.jobs.JobRunner`) in parts of :data:`JOB_BATCH` blocks, each a call
+  of :class:`connector.tier.transfers.BlockTransfers`: a store copies the chunks out of the
+  rows into its thread's staging buffer (a contiguous copy of each row's span, written as
+  pieces, where the canonical chunks are whole runs of the row: :meth:`ChunkMap.source_views`;
+  otherwise a gather into canonical blocks) and publishes their canonical blocks
   (:meth:`kvstore.GroupStore.write_blocks`: checksums, atomic rename, fsync per
   ``durability``); a load reads and verifies them (:meth:`kvstore.GroupStore.read_blocks`)
   into a staging buffer, then scatters the hits into the rows, or, on vLLM 0.34, straight into
@@ -68,12 +69,10 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -109,10 +108,10 @@ from connector.tier.health import (
     TierHealth,
     metric_definitions,
 )
-from connector.tier.jobs import LOAD, NOTHING, STORE, Finished, JobRunner, Outcome, Part
+from connector.tier.jobs import LOAD, STORE, Finished, JobRunner, Outcome, Part
 from connector.tier.lookup import StoreProbe, split_key
-from kvstore import BlockRead, BlockWrite, ConfigError, GroupStore, WriteStatus
-from kvstore.io.buffers import aligned_buffer
+from connector.tier.transfers import BlockTransfers
+from kvstore import ConfigError, GroupStore
 from kvstore.io.deadline import DeliveryGate
 
 if TYPE_CHECKING:
@@ -197,8 +196,8 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         try:
             self.namespace = self.store.namespace(self.identity)
             arrays = range(len(self.chunks.groups))
-            self._in_place = [_in_place(self.chunks, self.namespace.group(a), a) for a in arrays]
-            self._loads_in_place = [
+            in_place = [_in_place(self.chunks, self.namespace.group(a), a) for a in arrays]
+            loads_in_place = [
                 _loads_in_place(self.chunks, self.namespace.group(a), a) for a in arrays
             ]
         except BaseException:
@@ -220,10 +219,19 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             self.options.store_threads,
             defers_release=compat.TIER_DEFERS_RELEASE,
         )
+        self._transfers = BlockTransfers(
+            chunks=self.chunks,
+            namespace=self.namespace,
+            key_map=self.key_map,
+            block_bytes=self._block_bytes,
+            present=self._present,
+            health=self._health,
+            in_place=in_place,
+            loads_in_place=loads_in_place,
+        )
         # (release event, chunks) of promotions reported failed while a read into their
         # chunks still ran (vLLM 0.34): what vLLM holds for late reads
         self._held: list[tuple[threading.Event, int]] = []
-        self._staging = threading.local()  # per job thread: a reused staging buffer
         self._events: list[OffloadingEvent] | None = None
         if self.options.enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
@@ -281,7 +289,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         parents = self._parents(keys, job_metadata.req_context)
         parts = [
             self._part(
-                functools.partial(self._store_blocks, keys[b], chunk_ids[b], parents[b]), keys[b]
+                functools.partial(self._transfers.store, keys[b], chunk_ids[b], parents[b]), keys[b]
             )
             for b in _slices(len(keys))
         ]
@@ -296,13 +304,13 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
             self._refuse(job_id, "load", keys)
             return
         parts = [
-            self._part(functools.partial(self._load_blocks, keys[b], chunk_ids[b]), keys[b])
+            self._part(functools.partial(self._transfers.load, keys[b], chunk_ids[b]), keys[b])
             for b in _slices(len(keys))
         ]
         self._runner.submit(job_id, LOAD, parts, self._health.deadlines["load"])
 
     def _part(self, run: Callable[[DeliveryGate], Outcome], keys: Sequence[bytes]) -> Part:
-        return Part(run, frozenset(keys), self._nbytes(keys))
+        return Part(run, frozenset(keys), self._transfers.nbytes(keys))
 
     def _refuse(self, job_id: int, op: Op, keys: Sequence[bytes]) -> None:
         """Fail a job at once, without a call: the store is unresponsive (a store is dropped,
@@ -410,158 +418,6 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc, unused-ignore]  #
         self.chunks.release()
         self.store.close()
 
-    # -- the job functions (job threads) -------------------------------------------------------
-
-    def _store_blocks(
-        self,
-        keys: Sequence[bytes],
-        chunk_ids: Sequence[int],
-        parents: Sequence[bytes | None],
-        gate: DeliveryGate,
-    ) -> Outcome:
-        """(one part of a store job) Publish the canonical blocks of the chunks; the keys
-        written or already present.
-
-        The chunks are copied out of the rows first, under ``gate`` (not at all if the job was
-        given up on before), into this thread's staging buffer: a write that outlives the
-        job's deadline reads only that copy, whatever vLLM puts in the rows meanwhile. A
-        failed write is logged by the store (one line per batch, with the first error) and
-        leaves the key out: the job fails, and vLLM's backpressure counts it."""
-        ok = {k for k in keys if k in self._present}
-        todo = {
-            array: [(i, h) for i, h in items if keys[i] not in ok]
-            for array, items in _by_array(self.key_map, keys).items()
-        }
-        todo = {array: items for array, items in todo.items() if items}
-        if not todo:
-            return Outcome(frozenset(ok), 0)
-        if not gate.claim():  # cut short before it read the rows: no copy, no write
-            return NOTHING
-        try:
-            blocks = self._copy_out(todo, chunk_ids)
-        finally:
-            gate.release()
-        stored: list[bytes] = []
-        for array, items in todo.items():
-            writes = [BlockWrite(h, blocks[array][j], parents[i]) for j, (i, h) in enumerate(items)]
-            results = self._call(self.namespace.group(array).write_blocks, writes)
-            for (i, _), result in zip(items, results, strict=True):
-                if result.status in (WriteStatus.WRITTEN, WriteStatus.EXISTS):
-                    stored.append(keys[i])
-        return Outcome(frozenset(ok.union(stored)), self._nbytes(stored))
-
-    def _copy_out(
-        self, todo: dict[int, list[tuple[int, bytes]]], chunk_ids: Sequence[int]
-    ) -> dict[int, list[np.ndarray]]:
-        """Copy the chunks of ``todo`` (per array: positions in ``chunk_ids`` and hashes) out
-        of the rows into this thread's staging buffer; per array, the blocks as the store
-        takes them (views of row copies, written as pieces, or gathered canonical blocks)."""
-        chunks = self.chunks
-        size = {
-            a: chunks.source_span_bytes(a) if self._in_place[a] else chunks.groups[a].block_bytes
-            for a in todo
-        }
-        buffer = self._buffer(sum(len(items) * size[a] for a, items in todo.items()))
-        blocks: dict[int, list[np.ndarray]] = {}
-        offset = 0
-        for array, items in todo.items():
-            out = buffer[offset : offset + len(items) * size[array]]
-            offset += len(items) * size[array]
-            copy = chunks.source_views if self._in_place[array] else chunks.to_blocks
-            blocks[array] = copy(array, [chunk_ids[i] for i, _ in items], out)
-        return blocks
-
-    def _load_blocks(
-        self, keys: Sequence[bytes], chunk_ids: Sequence[int], gate: DeliveryGate
-    ) -> Outcome:
-        """(one part of a promotion job) Read and verify the blocks into their chunk rows;
-        the keys that arrived.
-
-        Nothing reaches the rows without ``gate``: blocks read straight into the rows (vLLM
-        0.34) claim it before the read, staged blocks after theirs, before the scatter. A
-        part given up on before its claim leaves the rows untouched (what it read stays in
-        this thread's buffer). A block that fails leaves its row partly written, which
-        nothing reads: vLLM frees the chunks of failed promotion keys
-        (TieringOffloadingManager._complete_promotion: complete_write(..., False))."""
-        by_array = _by_array(self.key_map, keys)
-        into_rows = any(self._loads_in_place[a] for a in by_array)
-        if gate.abandoned or (into_rows and not gate.claim()):  # cut short: no read
-            return NOTHING
-        ok: set[bytes] = set()
-        for array, items in by_array.items():
-            if self._loads_in_place[array]:
-                ok.update(self._read_into_rows(array, items, keys, chunk_ids))
-        staged = {a: items for a, items in by_array.items() if not self._loads_in_place[a]}
-        scatters = self._read_staged(staged, keys, chunk_ids)
-        if scatters and not into_rows and not gate.claim():  # given up while it read
-            return NOTHING
-        for array, blocks, rows, arrived in scatters:
-            self.chunks.from_blocks(array, blocks, rows)
-            ok.update(arrived)
-        gate.release()
-        return Outcome(frozenset(ok), self._nbytes(ok))
-
-    def _read_into_rows(
-        self,
-        array: int,
-        items: Sequence[tuple[int, bytes]],
-        keys: Sequence[bytes],
-        chunk_ids: Sequence[int],
-    ) -> list[bytes]:
-        """Read and verify blocks of ``array`` straight into their rows; the keys that
-        arrived."""
-        views = self.chunks.destination_views(array, [chunk_ids[i] for i, _ in items])
-        reads = [BlockRead(h, views[j]) for j, (_, h) in enumerate(items)]
-        results = self._call(self.namespace.group(array).read_blocks, reads)
-        return [keys[i] for (i, _), r in zip(items, results, strict=True) if r.ok]
-
-    def _read_staged(
-        self,
-        staged: dict[int, list[tuple[int, bytes]]],
-        keys: Sequence[bytes],
-        chunk_ids: Sequence[int],
-    ) -> list[tuple[int, torch.Tensor, list[int], list[bytes]]]:
-        """Read and verify blocks into this thread's staging buffer; per array with hits,
-        ``(array, blocks, rows, keys)`` for the scatter into the rows."""
-        sizes = {a: self.chunks.groups[a].block_bytes for a in staged}
-        buffer = self._buffer(sum(len(items) * sizes[a] for a, items in staged.items()))
-        scatters = []
-        offset = 0
-        for array, items in staged.items():
-            n, size = len(items), sizes[array]
-            blocks = buffer[offset : offset + n * size].view(n, size)
-            offset += n * size
-            reads = [BlockRead(h, blocks[j].numpy()) for j, (_, h) in enumerate(items)]
-            results = self._call(self.namespace.group(array).read_blocks, reads)
-            hits = [j for j, r in enumerate(results) if r.ok]
-            if hits:
-                rows = [chunk_ids[items[j][0]] for j in hits]
-                arrived = [keys[items[j][0]] for j in hits]
-                scatters.append((array, blocks[hits] if len(hits) < n else blocks, rows, arrived))
-        return scatters
-
-    def _nbytes(self, keys: Iterable[bytes]) -> int:
-        """Bytes of the canonical blocks of ``keys``."""
-        return sum(self._block_bytes.get(k[-GROUP_ID_BYTES:], 0) for k in keys)
-
-    def _call(self, call: Callable[[Sequence[Any]], list[Any]], items: Sequence[Any]) -> list[Any]:
-        """A store call from a job thread; its return, in time or late, with results or an
-        exception, tells that the store answers (ends an unresponsive episode)."""
-        try:
-            return call(items)
-        finally:
-            self._health.responsiveness.answered()
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        """This job thread's staging buffer of at least ``nbytes`` bytes (grown, kept; flat
-        uint8). A thread stuck in the file system keeps its own: no other thread uses it."""
-        buffer: torch.Tensor | None = getattr(self._staging, "buffer", None)
-        if buffer is None or buffer.numel() < nbytes:
-            # page-aligned, so O_DIRECT reads (direct_reads) land in it without a bounce
-            buffer = torch.from_numpy(aligned_buffer(max(nbytes, 1)))
-            self._staging.buffer = buffer
-        return buffer
-
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _remember(self, key: bytes) -> None:
@@ -609,13 +465,3 @@ def _loads_in_place(chunks: ChunkMap, group: GroupStore, array: int) -> bool:
 def _slices(n: int) -> list[slice]:
     """A job's ``n`` blocks as parts of at most :data:`JOB_BATCH` blocks."""
     return [slice(i, i + JOB_BATCH) for i in range(0, n, JOB_BATCH)]
-
-
-def _by_array(key_map: Any, keys: Sequence[bytes]) -> dict[int, list[tuple[int, bytes]]]:
-    """Keys grouped by array: ``array -> [(position in keys, block hash)]``."""
-    out: dict[int, list[tuple[int, bytes]]] = defaultdict(list)
-    for i, key in enumerate(keys):
-        where = split_key(key_map, key)
-        if where is not None:
-            out[where[0]].append((i, where[1]))
-    return out

@@ -89,7 +89,7 @@ def run(root: Path, requests: int, rate: float, bound: int) -> dict[str, Any]:
             t = time.perf_counter()
             engine.step()
             steps.append(time.perf_counter() - t)
-            peak = max(peak, engine.manager._pending_bytes)
+            peak = max(peak, engine.manager.ledger.pending_bytes)
         served = time.monotonic() - started
         deadline = time.monotonic() + 900
         while engine.busy() and time.monotonic() < deadline:  # let the store catch up

@@ -77,7 +77,7 @@ def test_a_stalled_store_never_holds_the_engine(
             e.engine.add(f"r{i}", prompt(5 * 16 + 3, start=1000 * (i + 1)))
         for _ in range(400):  # steps go on while the disk holds the writes
             e.engine.step()
-            assert e.engine.manager._pending_bytes <= bound
+            assert e.engine.manager.ledger.pending_bytes <= bound
             if not e.engine.scheduler.has_unfinished_requests() and disk.waiting:
                 break
             time.sleep(0.005)

@@ -103,7 +103,7 @@ def test_lookups_answer_miss_past_the_deadline_and_resume_after_thaw(
         time.sleep(0.005)
     clock.now += 3.0
     manager._drain()
-    assert manager._unresponsive_since is None
+    assert manager.ledger.since is None
     assert manager.metrics.counter(m.UNRESPONSIVE_SECONDS) == pytest.approx(5.5, abs=0.01)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "answered again after" in lines[1]
@@ -282,7 +282,7 @@ def test_a_late_publish_stops_counting_and_applies_after_the_thaw(
         # one line per episode
         assert manager.probes.in_flight == [] and len(hung_lines(caplog)[0]) == 1
         assert gauges(manager, sent) == {"unresponsive": 1, "late": 1, "pending": 1}
-        assert manager._pending_bytes == 0  # nothing holds back new stores once it answers
+        assert manager.ledger.pending_bytes == 0  # nothing holds back new stores once it answers
         now_threads = [t for t in threading.enumerate() if t.name.startswith("kvstore-probe")]
         assert len(now_threads) == len(probe_threads)  # the pool did not grow
     finally:
@@ -292,7 +292,7 @@ def test_a_late_publish_stops_counting_and_applies_after_the_thaw(
     manager.on_schedule_end(None)
     # The late publish applied: its blocks are present (one rename each: whole), found
     # without a probe, and not counted a second time; the episode ended (one line).
-    assert manager.publishes.late == [] and manager._unresponsive_since is None
+    assert manager.publishes.late == [] and manager.ledger.since is None
     for key in first:
         assert manager.lookup(key, context) is LookupResult.HIT
     assert in_store(manager, first) == [True, True]
@@ -338,7 +338,7 @@ def test_a_late_publish_that_failed_leaves_its_keys_absent(publishing: Engine) -
     wait_returned(manager)
     clock.now += 10  # past miss_ttl_s
     manager.on_schedule_end(None)
-    assert manager._unresponsive_since is None and not manager._late_keys
+    assert manager.ledger.since is None and not manager.ledger.late_keys
     assert manager.lookup(stored[0], context) is LookupResult.RETRY  # probed again
     settled(manager)
     assert manager.lookup(stored[0], context) is LookupResult.MISS
@@ -372,7 +372,7 @@ def test_a_late_abort_is_not_waited_for(
         frozen.thaw()
     wait_returned(manager)
     manager.on_schedule_end(None)
-    assert manager._unresponsive_since is None and len(hung_lines(caplog)[1]) == 1
+    assert manager.ledger.since is None and len(hung_lines(caplog)[1]) == 1
     assert temporaries(engine) == []
     assert manager.metrics.counter(m.FAILED_BLOCKS, m.STORE, m.IO_ERROR) == 2  # not again
 
@@ -440,7 +440,7 @@ def test_a_late_publish_keeps_its_keys_absent_after_another_job_answered(
             assert time.monotonic() < deadline
             time.sleep(0.005)
         manager.on_schedule_end(None)
-        assert manager._unresponsive_since is None and len(hung_lines(caplog)[1]) == 1
+        assert manager.ledger.since is None and len(hung_lines(caplog)[1]) == 1
         for key in stored:
             assert manager.lookup(key, context) is LookupResult.MISS
         assert manager.probes.queue == []  # answered without a probe

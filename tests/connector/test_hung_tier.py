@@ -256,7 +256,7 @@ def test_a_promotion_past_its_deadline_fails_and_its_late_read_never_reaches_vll
     while the read still hangs. Once the late read has ended, the rows still hold what vLLM
     wrote there meanwhile (here: a pattern)."""
     engine, spy, tokens = promote_hung(tmp_path, monkeypatch, frozen, block_size)
-    if engine.tier._loads_in_place == [True]:
+    if engine.tier._transfers.loads_in_place == [True]:
         pytest.skip("read straight into the rows: the next test")
     engine.serve("reader", [*tokens, 999], max_tokens=1)  # returns while the read hangs
     assert engine.first_start["reader"] == 0 and engine.prefix_ok["reader"]
@@ -285,7 +285,7 @@ def test_a_promotion_read_into_the_rows_past_its_deadline_holds_its_chunks_until
     not set while the read hangs (vLLM keeps the chunks out of its free pool, and keeps
     stepping), set once it has ended; then vLLM releases the chunks."""
     engine, spy, tokens = promote_hung(tmp_path, monkeypatch, frozen, 8 * BLOCK)
-    assert engine.tier._loads_in_place == [True]
+    assert engine.tier._transfers.loads_in_place == [True]
     tiering: Any = engine.tiering  # 0.34's attributes (mypy runs on 0.33)
     seen: dict[str, Any] = {}
 
@@ -342,7 +342,7 @@ def test_a_store_past_its_deadline_fails_and_what_had_not_started_never_publishe
     monkeypatch.setattr(connector.tier.manager, "JOB_BATCH", 1)
     options = EngineOptions(root=tmp_path, block_size=block_size)
     engine = TierEngine(options, store_deadline_s=DEADLINE_S, unresponsive_retry_s=0.2)
-    assert engine.tier._in_place == [block_size > BLOCK]
+    assert engine.tier._transfers.in_place == [block_size > BLOCK]
     spy = Spy(engine.tier, monkeypatch)
     caplog.set_level(logging.WARNING, logger="kvstore.connector")
     frozen.freeze()

@@ -244,7 +244,7 @@ def test_stores_pending_at_a_cache_reset_count_as_dropped(tmp_path: Path) -> Non
     engine_ = Engine(EngineOptions(root=tmp_path))
     manager, context = manager_of(engine_, Clock()), ReqContext(req_id="r")
     out = manager.prepare_store(keys(1, 2), context)
-    assert manager._pending_bytes == 2 * manager.namespace.group(0).layout.block_nbytes
+    assert manager.ledger.pending_bytes == 2 * manager.namespace.group(0).layout.block_nbytes
     worker = engine_.ranks[0].worker
     assert worker.submit_store(5, gpu_side(engine_.ranks[0], [3, 4], [2]), out.store_spec)
     finish(worker, 5)
@@ -253,5 +253,5 @@ def test_stores_pending_at_a_cache_reset_count_as_dropped(tmp_path: Path) -> Non
     manager.drain()
     assert manager.metrics.counter(m.STORE_DROPPED_BLOCKS, m.CACHE_RESET) == 2
     assert manager.metrics.counter(m.FAILED_BLOCKS, m.STORE, m.IO_ERROR) == 0
-    assert manager._pending_bytes == 0
+    assert manager.ledger.pending_bytes == 0
     engine_.shutdown()

@@ -208,7 +208,7 @@ def test_blocks_written_from_the_rows_promote_byte_exact(
     tokens = prompt(2 * big + 3)
     canonical = write.pop("canonical", False)
     writer = TierEngine(EngineOptions(root=tmp_path, block_size=big, **write), canonical=canonical)
-    assert writer.tier._in_place == [True]  # the path under test is taken
+    assert writer.tier._transfers.in_place == [True]  # the path under test is taken
     request = writer.serve("writer", tokens)
     writer.flush_tier()
     writer.shutdown()
@@ -255,7 +255,7 @@ def test_promotions_read_straight_into_the_rows_byte_exact(
     canonical = read.pop("canonical", False)
     engine = TierEngine(EngineOptions(root=tmp_path, block_size=big, **read), canonical=canonical)
     in_place = in_place and TIER_DEFERS_RELEASE
-    assert engine.tier._loads_in_place == [in_place]
+    assert engine.tier._transfers.loads_in_place == [in_place]
     promote(engine, tokens)
     assert engine.first_start["reader"] == 2 * big
     assert engine.prefix_ok["reader"]

@@ -245,7 +245,7 @@ def test_corrupt_block_promoted_into_the_rows_is_a_miss_and_never_served(
     path.write_bytes(bytes(raw))
     engine = TierEngine(EngineOptions(root=tmp_path, block_size=big))
     # the path under test is taken (vLLM 0.34; 0.33 stages every load: the same outcome)
-    assert engine.tier._loads_in_place == [connector.compat.TIER_DEFERS_RELEASE]
+    assert engine.tier._transfers.loads_in_place == [connector.compat.TIER_DEFERS_RELEASE]
     cpu_tier = engine.tiering.primary_tier
     completed: list[tuple[set[bytes], bool]] = []
     complete_write = cpu_tier.complete_write
@@ -363,7 +363,7 @@ def test_a_failed_promotion_holds_its_chunks_until_the_reads_into_them_end(
 
     monkeypatch.setattr(GroupStore, "read_blocks", gated)
     engine = TierEngine(EngineOptions(root=tmp_path, block_size=size))
-    assert engine.tier._loads_in_place == [into_rows]
+    assert engine.tier._transfers.loads_in_place == [into_rows]
     tiering: Any = engine.tiering  # 0.34's attributes (mypy runs on 0.33)
     held: list[int] = []  # chunks vLLM held once it collected the failed promotion
 
