@@ -124,6 +124,26 @@ static PyMethodDef fileproto_methods[] = {
      "exists_many(paths) -> [code]: lstat of each path without the GIL: 1 a regular file, 0 "
      "no such name (ENOENT), -1 anything else (another kind of entry, or an error: the caller "
      "asks again one by one for the words)."},
+    {"list_dir_step", kv_fp_list_dir_step, METH_VARARGS,
+     "list_dir_step(fd, nbytes, beat) -> (entries, failure) | None: one getdents64 of at most "
+     "`nbytes` bytes (4096..16 MiB) from the directory descriptor `fd` (its position "
+     "advances), then fstatat(fd, name, AT_SYMLINK_NOFOLLOW) of each entry but . and .., "
+     "without the GIL. `entries`: [(name, (st_mode, st_ino, st_dev, st_nlink, st_size, "
+     "st_blocks, st_mtime_ns, st_ctime_ns))] in the directory's order, names decoded as "
+     "os.fsdecode does; an entry gone before its fstatat (ENOENT) is left out. `failure`: "
+     "None, or (errno, name) of an fstatat that failed otherwise (the step ends there; the "
+     "caller raises). None at the end of the directory; OSError when getdents64 fails. "
+     "`beat`: None, or a writable buffer of at least 8 bytes, 8-byte aligned, where "
+     "CLOCK_MONOTONIC seconds are stored as a double after the getdents64 and each fstatat "
+     "(kvstore/io/stall.py beat_slot)."},
+    {"read_files", kv_fp_read_files, METH_VARARGS,
+     "read_files(paths, file_nbytes, rows, beat) -> [outcome]: for each path, in order and "
+     "without the GIL: open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC), fstat, and "
+     "for a regular file of exactly file_nbytes bytes pread it whole into rows[i * "
+     "file_nbytes:(i + 1) * file_nbytes] of the writable buffer `rows`; close; a beat as "
+     "list_dir_step's. No mtime is touched. Outcome 1: read whole; -errno of the step that "
+     "failed; -EBADMSG for a file that is not regular, has another size or reads short (its "
+     "row then holds what was read)."},
     {"first_unaligned", fileproto_first_unaligned, METH_VARARGS,
      "first_unaligned(segments, alignment) -> (index, address_aligned): the index of the first "
      "(offset, buffer) segment whose memory's address or length is not a multiple of "

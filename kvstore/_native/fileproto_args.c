@@ -154,3 +154,20 @@ kv_fp_check_mode(const char *call, int mode)
     }
     return 0;
 }
+
+/* The list of ``n`` per-item codes a batch call returns (exists_many, read_files); NULL with
+ * MemoryError. */
+PyObject *
+kv_fp_code_list(const int *codes, Py_ssize_t n)
+{
+    PyObject *result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *value = PyLong_FromLong(codes[i]);
+        if (value == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, value);
+    }
+    return result;
+}

@@ -9,6 +9,8 @@
  *   fileproto_read.c        read_regular, read_regular_hashed, exists_many
  *   fileproto_piece_args.c  the checks of a piece batch's arguments
  *   fileproto_pieces.c      publish_pieces, read_pieces
+ *   fileproto_scan.c        list_dir_step, read_files (the offline tools' walks, many entries
+ *                           per call)
  *
  * Every function here is shared between those files (kv_fp_ prefix, hidden from the module's
  * symbol table: only PyInit__fileproto is exported); everything else stays static in its file.
@@ -96,6 +98,7 @@ void *kv_fp_sequence_slots(PyObject *obj, const char *what, size_t item_size, Py
 segment *kv_fp_acquire_segments(PyObject *obj, int writable, Py_ssize_t *count);
 int kv_fp_overlaps(const void *a, Py_ssize_t a_len, const void *b, Py_ssize_t b_len);
 int kv_fp_check_mode(const char *call, int mode);
+PyObject *kv_fp_code_list(const int *codes, Py_ssize_t n);
 
 /* fileproto_transfer.c (no GIL needed, but kv_fp_raise_errno) */
 Py_ssize_t kv_fp_transfer_run(int fd, segment *segs, Py_ssize_t first, Py_ssize_t last,
@@ -131,6 +134,8 @@ PyObject *kv_fp_read_regular_hashed(PyObject *module, PyObject *args); /* filepr
 PyObject *kv_fp_exists_many(PyObject *module, PyObject *args);      /* fileproto_read.c */
 PyObject *kv_fp_publish_pieces(PyObject *module, PyObject *args);   /* fileproto_pieces.c */
 PyObject *kv_fp_read_pieces(PyObject *module, PyObject *args);      /* fileproto_pieces.c */
+PyObject *kv_fp_list_dir_step(PyObject *module, PyObject *args);    /* fileproto_scan.c */
+PyObject *kv_fp_read_files(PyObject *module, PyObject *args);       /* fileproto_scan.c */
 
 #pragma GCC visibility pop
 

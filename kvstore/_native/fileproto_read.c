@@ -223,15 +223,7 @@ kv_fp_exists_many(PyObject *Py_UNUSED(module), PyObject *args)
         }
     }
     Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
-        PyObject *value = PyLong_FromLong(codes[i]);
-        if (value == NULL) {
-            Py_CLEAR(result);
-            break;
-        }
-        PyList_SET_ITEM(result, i, value);
-    }
+    result = kv_fp_code_list(codes, n);
 done:
     for (Py_ssize_t i = 0; encoded != NULL && i < got; i++) {
         Py_DECREF(encoded[i]);

@@ -44,6 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.io.dirlist import EntryStat, ListedStat
 from kvstore.io.fileio import PROBE_PREFIX
 from kvstore.store import paths
 from kvstore.store.paths import DOC_TMP_PREFIX, QUARANTINE, REMOVED_PREFIX, TRASH, ZARR_JSON
@@ -170,7 +171,7 @@ class StoreScan:
         return out
 
 
-def _listing(path: str | Path, unreadable: list[Problem]) -> list[tuple[str, os.stat_result]]:
+def _listing(path: str | Path, unreadable: list[Problem]) -> list[tuple[str, ListedStat]]:
     """:func:`list_dir`, recording a directory that cannot be listed instead of raising."""
     try:
         return paths.list_dir(path)
@@ -454,26 +455,36 @@ class _FanoutTask:
         ns, group, hi, directory = self.ns.name, self.group.index, self.hi, self.directory
         part = FanoutPart()
         batch: list[Entry] = []
+        # The loop body runs once per block of the store (10^8 at most): what it calls is
+        # bound to locals, and a block's Entry is built here, not through _entry.
+        prefix, emit, tally = f"{directory}{os.sep}", self.emit_blocks, part.tally
+        is_regular, parse_lo = stat.S_ISREG, paths.parse_lo
         try:
-            for name, st in paths.iter_dir(directory):
-                path = f"{directory}{os.sep}{name}"
-                if not stat.S_ISREG(st.st_mode):
-                    part.foreign.append(_foreign(path, ns, group, st, part.unreadable))
-                    continue
-                lo = paths.parse_lo(name)
-                if lo is not None:
-                    part.tally.add(st.st_size, allocated_bytes(st), st.st_mtime_ns)
-                    if self.emit_blocks:
-                        batch.append(_entry(BLOCK, path, ns, group, hi, lo, st))
-                        if len(batch) >= BLOCK_BATCH:
-                            self._put(batch)
-                            batch = []
-                    continue
-                lo = paths.parse_temp_lo(name)  # ``.<lo>.tmp-<token>``, or the shape before the dot
-                if lo is not None:
-                    part.temps.append(_entry(TEMP, path, ns, group, hi, lo, st))
-                else:
-                    part.foreign.append(_foreign(path, ns, group, st, part.unreadable))
+            for listed in paths.iter_dir_batches(directory):
+                for name, st in listed:
+                    path = prefix + name
+                    if not is_regular(st.st_mode):
+                        part.foreign.append(_foreign(path, ns, group, st, part.unreadable))
+                        continue
+                    lo = parse_lo(name)
+                    if lo is not None:
+                        size = st.st_size
+                        held = max(st.st_blocks * 512, size)  # allocated_bytes
+                        tally.add(size, held, st.st_mtime_ns)
+                        if emit:
+                            batch.append(
+                                Entry(BLOCK, path, ns, group, hi, lo, size, st.st_mtime_ns,
+                                      st.st_ino, False, 0, st.st_dev, held)
+                            )  # fmt: skip
+                            if len(batch) >= BLOCK_BATCH:
+                                self._put(batch)
+                                batch = []
+                        continue
+                    lo = paths.parse_temp_lo(name)  # ``.<lo>.tmp-<token>``, or before the dot
+                    if lo is not None:
+                        part.temps.append(_entry(TEMP, path, ns, group, hi, lo, st))
+                    else:
+                        part.foreign.append(_foreign(path, ns, group, st, part.unreadable))
         except OSError as exc:
             # Unreadable (EACCES, EIO), or failing part-way: what was sorted before counts.
             part.unreadable.append(Problem(Path(directory), _why(exc)))
@@ -482,7 +493,7 @@ class _FanoutTask:
         return part
 
 
-def allocated_bytes(st: os.stat_result) -> int:
+def allocated_bytes(st: EntryStat) -> int:
     """What a file holds on the disk: its allocated 512-byte units (``st_blocks``), and never
     less than its size (a FUSE or network file system may report no blocks at all: gc must
     not then see an empty store)."""
@@ -526,7 +537,7 @@ def _entry(  # noqa: PLR0913 - one argument per Entry field a listed file fills;
     group: int | None,
     hi: int,
     lo: int,
-    st: os.stat_result,
+    st: EntryStat,
 ) -> Entry:
     return Entry(
         kind,
@@ -547,7 +558,7 @@ def _foreign(
     path: str,
     namespace: str | None,
     group: int | None,
-    st: os.stat_result,
+    st: EntryStat,
     unreadable: list[Problem],
 ) -> Entry:
     is_dir = stat.S_ISDIR(st.st_mode)
@@ -572,7 +583,7 @@ def _foreign(
     )
 
 
-def _since_ns(name: str, st: os.stat_result) -> int:
+def _since_ns(name: str, st: EntryStat) -> int:
     """When a quarantined / trashed entry was put there: its name's trailing ns time."""
     since = paths.held_since_ns(name)
     return st.st_ctime_ns if since is None else since  # a rename sets the inode change time

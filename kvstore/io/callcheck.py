@@ -399,3 +399,33 @@ def check_paths(paths: Sequence[object] | Iterable[object]) -> list[bytes]:
     """exists_many's names: a snapshot, each as bytes without NUL."""
     items = snapshot(paths, "exists_many: expected a sequence of paths")
     return [path_bytes(p) for p in items]
+
+
+def check_read_files(
+    paths: object, file_nbytes: object, rows: object
+) -> tuple[list[bytes], int, memoryview]:
+    """read_files' arguments, in the C's order (kvstore/_native/fileproto_scan.c): the size
+    (an integer within ``Py_ssize_t``, > 0), the paths (a snapshot, each as bytes without
+    NUL), the rows (a writable contiguous buffer of at least one row per path, the total
+    below 2**63). The names, the size as an int and the rows as a flat byte view."""
+    size = ssize(file_nbytes, "read_files")
+    if size <= 0:
+        raise ValueError(f"read_files: expected a file size > 0, got {size}")
+    names = [path_bytes(p) for p in snapshot(paths, "read_files: expected a sequence of paths")]
+    view = buffer_view(rows, writable=True)
+    if view is None:
+        raise TypeError(
+            f"read_files: expected the rows as a writable contiguous buffer, got "
+            f"{type(rows).__name__}"
+        )
+    need = len(names) * size
+    if need > _SSIZE_MAX:
+        raise OverflowError(
+            f"read_files: expected {len(names)} files of {size} bytes to fit below 2**63 bytes"
+        )
+    if len(view) < need:
+        raise ValueError(
+            f"read_files: expected rows of at least {need} bytes ({len(names)} files of {size}), "
+            f"got {len(view)}"
+        )
+    return names, size, view

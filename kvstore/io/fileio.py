@@ -50,7 +50,7 @@ from typing import Any
 
 from kvstore.callargs import snapshot
 from kvstore.errors import CorruptBlockError, EntryKindError
-from kvstore.io import piece_batch
+from kvstore.io import file_batch, piece_batch
 from kvstore.io.callcheck import (
     check_new_file,
     check_paths,
@@ -484,6 +484,21 @@ class FileIO:
         (they are the reference, and report the failure in their words). No sync: for
         stores without durability."""
         return piece_batch.publish_pieces(self, blocks, flags, mode, plan)
+
+    def read_files(self, paths: Sequence[str], file_nbytes: int, rows: Any) -> list[int]:
+        """Read whole small files of ``file_nbytes`` bytes each into the rows of one writable
+        buffer (file ``i`` into ``rows[i * file_nbytes:(i + 1) * file_nbytes]``), as the
+        offline checks read tiny blocks: one native call with the GIL released for the whole
+        batch in :class:`~kvstore.io.native_fileio.NativeFileIO`, else file by file through
+        this object's primitives (:mod:`kvstore.io.file_batch`, the reference).
+
+        Per file, in order: open (``O_RDONLY``, never following a link, never blocking),
+        ``fstat``, one read of the whole regular file of exactly ``file_nbytes`` bytes, close;
+        no mtime is touched. Outcome :data:`~kvstore.io.file_batch.READ_WHOLE` (1), ``-errno``
+        of the step that failed, or ``-EBADMSG`` for a file that is not regular, has another
+        size or reads short. Beats the tools' hung-mount watchdog (:mod:`kvstore.io.stall`)
+        after each file."""
+        return file_batch.read_files(self, paths, file_nbytes, rows)
 
     def read_pieces(
         self,

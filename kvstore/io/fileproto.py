@@ -111,6 +111,14 @@ class NativeFileProto(Protocol):
 
     def exists_many(self, paths: Sequence[str], /) -> list[int]: ...
 
+    def list_dir_step(
+        self, fd: int, nbytes: int, beat: Any, /
+    ) -> tuple[list[tuple[str, tuple[int, ...]]], tuple[int, str] | None] | None: ...
+
+    def read_files(
+        self, paths: Sequence[str], file_nbytes: int, rows: Any, beat: Any, /
+    ) -> list[int]: ...
+
     def read_pieces(  # noqa: PLR0913 - the C function's arguments
         self,
         blocks: Sequence[tuple[str, Any, Any]],

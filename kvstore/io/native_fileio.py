@@ -3,13 +3,13 @@
 :class:`NativeFileIO` is :class:`~kvstore.io.fileio.FileIO` with its compound operations
 (:meth:`~FileIO.exists_many`, :meth:`~FileIO.write_new`, :meth:`~FileIO.write_new_hashed`,
 :meth:`~FileIO.read_regular`, :meth:`~FileIO.read_regular_hashed`,
-:meth:`~FileIO.sync_and_rename`, the piece batches) run by the C extension when
-:func:`~kvstore.io.fileproto.native_fileproto` binds it (``KVSTORE_NATIVE``), and by the Python
-reference they override otherwise (the same results, errors and bytes on disk: tests/native
-holds the two to each other). The primitives are FileIO's, so the tools' walks and every
-non-compound call behave alike either way. :data:`DEFAULT_FILEIO` is the one every store and
-engine uses unless given another; a test that injects faults subclasses FileIO instead, so
-that every step of a compound operation goes through its overrides.
+:meth:`~FileIO.sync_and_rename`, the piece batches, :meth:`~FileIO.read_files`) run by the C
+extension when :func:`~kvstore.io.fileproto.native_fileproto` binds it (``KVSTORE_NATIVE``),
+and by the Python reference they override otherwise (the same results, errors and bytes on
+disk: tests/native holds the two to each other). The primitives are FileIO's, so the tools'
+walks and every non-compound call behave alike either way. :data:`DEFAULT_FILEIO` is the one
+every store and engine uses unless given another; a test that injects faults subclasses
+FileIO instead, so that every step of a compound operation goes through its overrides.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ import os
 import stat
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from kvstore.callargs import snapshot
 from kvstore.checksum import XXH3_64, native_xxh3_capsule
 from kvstore.errors import CorruptBlockError
+from kvstore.io import stall
 from kvstore.io.entries import FileId, not_regular
 from kvstore.io.fileio import O_DIRECT, FileIO, check_sync_fd, refused_open
 from kvstore.io.fileproto import NativeFileProto, ReadOutcome, native_fileproto
@@ -188,6 +190,12 @@ class NativeFileIO(FileIO):
             plan.slot_of, plan.chunk_nbytes, plan.slots_offset, touch_if_older_than_ns,
             plan.alignment, xxh3,
         )  # fmt: skip
+
+    def read_files(self, paths: Sequence[str], file_nbytes: int, rows: Any) -> list[int]:
+        native = native_fileproto()
+        if native is None:
+            return super().read_files(paths, file_nbytes, rows)
+        return native.read_files(paths, file_nbytes, rows, stall.beat_slot())
 
     def _piece_batch_binding(self) -> tuple[NativeFileProto, object] | None:
         """The extension and the xxh3 capsule a piece batch runs with; None where

@@ -54,6 +54,14 @@ def beat() -> None:
     _clock[BEAT] = time.monotonic()
 
 
+def beat_slot() -> memoryview[float]:
+    """Where :func:`beat` stores the time: one native double (``time.monotonic()``'s
+    ``CLOCK_MONOTONIC`` seconds), for a native call that beats as it goes (one that lists or
+    reads many entries without the GIL: ``kvstore._native._fileproto``'s ``list_dir_step`` and
+    ``read_files``). Taken at each call: :func:`share` moves the clock."""
+    return _clock[BEAT : BEAT + 1]
+
+
 @contextmanager
 def paused() -> Iterator[None]:
     """Silence that is not the store's (a prompt, ``gc --watch`` between passes): not counted."""

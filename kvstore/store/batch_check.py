@@ -2,9 +2,9 @@
 
 The offline check of one file (:func:`~kvstore.store.full_check.check_file`) costs tens of
 microseconds of Python per file, which is all of a tiny block's time (one 4 KiB inner chunk
-reads in a few). :class:`RawBatchCheck` reads a batch of files into the rows of one buffer,
-each with one native call that releases the GIL (:meth:`FileIO.read_regular
-<kvstore.io.fileio.FileIO.read_regular>`: a regular file of the exact size, never blocking on a
+reads in a few). :class:`RawBatchCheck` reads a batch of files into the rows of one buffer
+in one native call that releases the GIL for the whole batch (:meth:`FileIO.read_files
+<kvstore.io.fileio.FileIO.read_files>`: a regular file of the exact size, never blocking on a
 FIFO, never following a link, never touching the mtime), then checks every row at once in numpy
 and hashes every inner chunk of the batch in one native xxh3 batch
 (:func:`~kvstore.checksum.strided_chunk_sums`).
@@ -22,15 +22,13 @@ tests/store/test_batch_check.py holds the two to each other over every kind of d
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvstore.checksum import XXH3_64, crc32c, strided_chunk_sums
-from kvstore.errors import CorruptBlockError
-from kvstore.io import stall
 from kvstore.io.buffers import ThreadStaging
+from kvstore.io.file_batch import READ_WHOLE
 from kvstore.io.native_fileio import DEFAULT_FILEIO
 from kvstore.keys import HASH_LO_BITS
 from kvstore.store import format as fmt
@@ -39,8 +37,6 @@ from kvstore.store.check import ShardSpec
 # Bytes of files read per round: many tiny blocks share a round's numpy checks and checksum
 # batch, while a thread's buffer stays small whatever the block size (a 2 MiB block: 4 a round).
 ROUND_NBYTES = 8 << 20
-# Older than every mtime (int64's least value): read_regular never touches a checked file.
-_NEVER_TOUCH = -(1 << 63)
 # decode_header takes the hash's first hash_len bytes; hash_coords reads bytes 1..8 of them:
 # from 9 bytes on, the coordinates are those of the zero-padded field, read here as a whole.
 _MIN_HASH_LEN = 9
@@ -77,17 +73,9 @@ class RawBatchCheck:
         layout = self._spec.layout
         size = layout.file_nbytes
         rows = self._staging.get(len(paths) * size)[: len(paths) * size].reshape(len(paths), size)
-        ok = np.zeros(len(paths), dtype=bool)
-        for i, path in enumerate(paths):
-            try:
-                DEFAULT_FILEIO.read_regular(
-                    path, os.O_RDONLY, [(0, rows[i].data)], size, False, _NEVER_TOUCH
-                )
-            except (OSError, CorruptBlockError):
-                continue  # missing, not regular, wrong size, short: check_file says which
-            finally:
-                stall.beat()
-            ok[i] = True
+        # Missing, not regular, wrong size, short: not read whole, and check_file says which.
+        read = DEFAULT_FILEIO.read_files(paths, size, rows.reshape(-1).data)
+        ok = np.array(read, dtype=np.int64) == READ_WHOLE
         ok &= self._header_ok(rows, coords)
         ok &= self._layout_ok(rows)
         if ok.any():

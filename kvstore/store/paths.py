@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import EntryKindError
-from kvstore.io import stall
+from kvstore.io.dirlist import EntryStat, ListedStat, dir_entry_batches
 from kvstore.io.entries import describe_kind, describe_os_error, open_dir_nofollow
 from kvstore.keys import HASH_HI_FANOUT, HASH_LO_BITS, hash_coords
 
@@ -276,7 +276,7 @@ def _block_or_problem(  # noqa: PLR0913 - where the entry is, what it is called 
     name: str,
     hash_hi: int,
     hash_lo: int,
-    st: os.stat_result,
+    st: EntryStat,
     problems: Problems | None,
 ) -> BlockFile | None:
     """The entry at a block name as a :class:`BlockFile` when it is a regular file; anything
@@ -336,9 +336,7 @@ def list_temps(
             yield directory / name
 
 
-def list_dir(
-    path: str | Path, *, root: str | Path | None = None
-) -> list[tuple[str, os.stat_result]]:
+def list_dir(path: str | Path, *, root: str | Path | None = None) -> list[tuple[str, ListedStat]]:
     """``(name, lstat)`` of every entry of directory ``path``, never following a link.
 
     Without ``root``, ``path`` is opened with ``O_NOFOLLOW | O_DIRECTORY | O_NONBLOCK``: a
@@ -354,14 +352,12 @@ def list_dir(
 
 def iter_dir(
     path: str | Path, *, root: str | Path | None = None
-) -> Iterator[tuple[str, os.stat_result]]:
+) -> Iterator[tuple[str, ListedStat]]:
     """:func:`list_dir` one entry at a time: a directory of any size in constant memory.
 
     The directory is opened (and a failure to open it raised) at the call, not at the first
-    ``next``; an error while reading it is raised from the iteration. Every tool lists
-    through here."""
-    fd = _open_listed(path, root)
-    return iter(()) if fd is None else _entries(fd)
+    ``next``; an error while reading it is raised from the iteration."""
+    return _flatten(iter_dir_batches(path, root=root))
 
 
 def _open_listed(path: str | Path, root: str | Path | None) -> int | None:
@@ -380,24 +376,33 @@ def _open_listed(path: str | Path, root: str | Path | None) -> int | None:
         raise
 
 
-def _entries(fd: int) -> Iterator[tuple[str, os.stat_result]]:
+def iter_dir_batches(
+    path: str | Path, *, root: str | Path | None = None
+) -> Iterator[list[tuple[str, ListedStat]]]:
+    """:func:`iter_dir` a batch of entries at a time (:func:`~kvstore.io.dirlist.
+    dir_entry_batches`): what a walk of millions of entries iterates. Every listing of the
+    tools goes through here (:func:`iter_dir` too)."""
+    fd = _open_listed(path, root)
+    return iter(()) if fd is None else _batches(fd)
+
+
+def _flatten(batches: Iterator[list[tuple[str, ListedStat]]]) -> Iterator[tuple[str, ListedStat]]:
+    for batch in batches:
+        yield from batch
+
+
+def _batches(fd: int) -> Iterator[list[tuple[str, ListedStat]]]:
+    # The listing beats the tools' hung-mount watchdog as it advances, and once at its end: a
+    # run of empty fan-out directories is no silence.
     try:
-        with os.scandir(fd) as it:
-            for entry in it:
-                try:
-                    st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                stall.beat()  # the mount answers (the tools' hung-mount watchdog)
-                yield entry.name, st
-        stall.beat()  # listed, even if empty: a run of empty fan-out directories is no silence
+        yield from dir_entry_batches(fd)
     finally:
         os.close(fd)
 
 
 def _listing(
     directory: Path, root: Path | None, problems: Problems | None
-) -> Iterator[tuple[str, os.stat_result]]:
+) -> Iterator[tuple[str, ListedStat]]:
     """:func:`iter_dir`, one entry at a time (a fan-out directory of 10^8 blocks' store holds
     390k); a directory that cannot be listed counts as empty, one failing part-way as what
     was listed before (either recorded in ``problems`` when given)."""

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.admin import gc
 from kvstore.admin.textfile import Family, Textfile, exposition
+from kvstore.io.dirlist import ListedStat
 from kvstore.store import paths
 from tests.admin.util import NS_PER_S, age, cli, held, set_mtime, snapshot, write
 from tests.helpers import StoreFactory, block_hash, make_small_identity
@@ -179,17 +180,17 @@ def test_one_pass_metrics_unreadable_directory(
     written = write(group, hashes)
     hidden = Path(written[0]).parent
     assert any(Path(p).parent != hidden for p in written)
-    real_iter_dir = paths.iter_dir
+    real_batches = paths.iter_dir_batches
 
-    def iter_dir(
+    def iter_dir_batches(
         p: str | Path, *, root: str | Path | None = None
-    ) -> Iterator[tuple[str, os.stat_result]]:
+    ) -> Iterator[list[tuple[str, ListedStat]]]:
         if Path(p) == hidden:
             raise PermissionError(13, "Permission denied", str(p))
-        return real_iter_dir(p, root=root)
+        return real_batches(p, root=root)
 
     if os.geteuid() == 0:
-        monkeypatch.setattr(paths, "iter_dir", iter_dir)
+        monkeypatch.setattr(paths, "iter_dir_batches", iter_dir_batches)
     hidden.chmod(0)
     metrics = textdir / "gc.prom"
     try:

@@ -43,7 +43,7 @@ import sys, threading
 from kvstore.store import paths
 def frozen(*args, **kwargs):
     threading.Event().wait()
-paths.iter_dir = frozen
+paths.iter_dir_batches = frozen  # every listing goes through it
 if sys.argv[1] == "kvstore":
     from kvstore.cli import main
 else:

@@ -220,13 +220,13 @@ def test_a_full_hash_is_found_with_one_lstat_and_no_listing(
     space = reference.bf16
     group = group_of(store_copy, space)
     listed: list[str] = []
-    real_iter_dir = store_paths.iter_dir
+    real_batches = store_paths.iter_dir_batches  # every listing goes through it
 
-    def iter_dir(p: Any, *, root: Any = None) -> Any:
+    def iter_dir_batches(p: Any, *, root: Any = None) -> Any:
         listed.append(str(p))
-        return real_iter_dir(p, root=root)
+        return real_batches(p, root=root)
 
-    monkeypatch.setattr(store_paths, "iter_dir", iter_dir)
+    monkeypatch.setattr(store_paths, "iter_dir_batches", iter_dir_batches)
     full = space.names["x1"]
     ref = find_block(group, full.hex())
     assert ref.block_hash == full and ref.file.path == group.path_of(full)

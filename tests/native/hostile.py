@@ -30,6 +30,18 @@ IMPLS = ["native", "reference"]
 OPS = ["publish", "read"]
 
 
+class ClearingPath:
+    """A path whose ``__fspath__`` empties ``victim`` (the list the call is walking)."""
+
+    def __init__(self, path: Path, victim: list[Any]) -> None:
+        self.path = str(path)
+        self.victim = victim
+
+    def __fspath__(self) -> str:
+        self.victim.clear()
+        return self.path
+
+
 class Reference(FileIO):
     """A FileIO subclass: every compound call runs FileIO's Python reference."""
 

@@ -37,6 +37,7 @@ from tests.native.hostile import (
     IMPLS,
     NEW,
     OPS,
+    ClearingPath,
     Reference,
     _closed,
     _entries,
@@ -105,18 +106,6 @@ def test_read_regular_refuses_bad_segments(impl: str, case: str, tmp_path: Path)
 
 
 # -- 5. __fspath__ / __index__ that mutate the sequence being walked ----------------------------
-
-
-class ClearingPath:
-    """A path whose ``__fspath__`` empties ``victim`` (the list the call is walking)."""
-
-    def __init__(self, path: Path, victim: list[Any]) -> None:
-        self.path = str(path)
-        self.victim = victim
-
-    def __fspath__(self) -> str:
-        self.victim.clear()
-        return self.path
 
 
 class ClearingIndex:

@@ -33,6 +33,7 @@ import pytest
 from kvstore.admin import gc
 from kvstore.cli import main as admin_main
 from kvstore.inspect.cli import main as inspect_main
+from kvstore.io.dirlist import ListedStat
 from kvstore.store import paths
 from kvstore.store.page_store import KVStore
 from kvstore.store.types import BlockRead, ReadStatus
@@ -223,17 +224,17 @@ def test_no_tool_hangs_on_a_fifo(populated: tuple[Path, str, list[str]], where: 
 def unreadable(path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Make directory ``path`` unreadable: mode 000, and (root reads everything) a
     PermissionError injected at the one listing every tool goes through (store.paths)."""
-    real_iter_dir = paths.iter_dir
+    real_batches = paths.iter_dir_batches
 
-    def iter_dir(
+    def iter_dir_batches(
         p: str | Path, *, root: str | Path | None = None
-    ) -> Iterator[tuple[str, os.stat_result]]:
+    ) -> Iterator[list[tuple[str, ListedStat]]]:
         if Path(p) == path:
             raise PermissionError(13, "Permission denied", str(p))
-        return real_iter_dir(p, root=root)
+        return real_batches(p, root=root)
 
     if os.geteuid() == 0:
-        monkeypatch.setattr(paths, "iter_dir", iter_dir)
+        monkeypatch.setattr(paths, "iter_dir_batches", iter_dir_batches)
     mode = stat.S_IMODE(path.stat().st_mode)
     path.chmod(0)
     try:
