@@ -5,9 +5,9 @@ whole, checking nothing.
 per entry) and read each block file once. This does exactly that with the same GIL-free calls
 (:func:`~kvstore.io.dirlist.dir_entries`, :meth:`FileIO.read_files
 <kvstore.io.fileio.FileIO.read_files>`) on the same number of threads, and nothing else: no
-header, key or checksum check, no entries kept. The scale suite runs it as its own process
-beside verify, on the same store, so that verify's blocks per second read as a fraction of
-what the file system gives this job.
+header, key or checksum check, no entries kept. The scale suite runs it beside verify on the
+same store, so that verify's blocks per second read as a fraction of what the file system
+gives this job.
 
 Usage: ``python -m kvstore.bench.read_floor ROOT [--threads N]``; prints files, bytes, seconds.
 """

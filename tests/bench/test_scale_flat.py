@@ -50,6 +50,6 @@ def test_admin_and_inspection_memory_does_not_grow_with_the_store(tmp_path: Path
         f"peak RSS grew with the store (MB from {SIZES[0]:,} to {SIZES[1]:,} blocks): {grown}"
     )
     assert big["read_blocks_per_s"] > 0 and big["lookup_1k_ms"] > 0
-    # verify's read floor ran on the same store, as its own process (a ratio, not a limit).
-    assert big["read_floor"]["exit"] == 0, big["read_floor"]["stderr_tail"]
+    # verify's read floor read every block of the same store (a ratio, not a limit).
+    assert big["read_floor"]["files"] >= big["store_blocks"]
     assert big["verify_vs_floor"] > 0
