@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvstore.admin import du, gc, ls, rm, verify
+from kvstore.admin import du, gc, ls, rm, verify, verify_cli
 from kvstore.admin.sizes import parse_duration, parse_size
 from kvstore.admin.trash import DEFAULT_GRACE_S
 from kvstore.cli_args import OneLineParser, positive_int, store_root
@@ -185,7 +185,7 @@ def dispatch(args: argparse.Namespace) -> int:
             threads=args.threads,
             seed=args.seed,
         )
-        return verify.run(args.root, options, as_json=args.json)
+        return verify_cli.run(args.root, options, as_json=args.json)
     if args.command == "gc":
         policy = gc.Policy(
             max_bytes=args.max_bytes,

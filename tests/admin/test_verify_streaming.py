@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.admin import blockfile, ls, scan, verify
+from kvstore.admin import blockfile, ls, scan, verify, verify_cli
 from kvstore.store.batch_check import RawBatchCheck
 from kvstore.store.group_store import GroupStore
 from tests.admin.test_verify import flip
@@ -172,7 +172,7 @@ def test_ctrl_c_stops_verify_fix_with_nothing_half_done(
     sizes = {os.lstat(p).st_ino: os.lstat(p).st_size for p in bad}
     judged = _interrupt_after(monkeypatch, 10)
     rc, out, err = cli(capsys, "verify", root, "--fix", "--threads", "1", "--json")
-    assert rc == verify.EXIT_INTERRUPTED and out == ""
+    assert rc == verify_cli.EXIT_INTERRUPTED and out == ""
     assert "verify interrupted" in err and "nothing is half-done" in err
     assert "not checked: the remaining blocks" in err
     # The 10th check was in flight: it finished; no other began (queued tasks were dropped,
@@ -207,7 +207,7 @@ def test_ctrl_c_after_the_blocks(
 
     monkeypatch.setattr(verify, "_sweep", interrupted)
     rc, out, err = cli(capsys, "verify", root)
-    assert rc == verify.EXIT_INTERRUPTED and out == ""
+    assert rc == verify_cli.EXIT_INTERRUPTED and out == ""
     assert f"{N_BLOCKS} checked" in err and "every block was checked" in err
 
 
