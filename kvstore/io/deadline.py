@@ -219,6 +219,10 @@ class Responsiveness:
         return length
 
 
+# How long DaemonWorkers.close waits for its threads to end (a stuck one is left behind).
+CLOSE_WAIT_S = 0.5
+
+
 class DaemonWorkers:
     """A fixed set of daemon threads running submitted functions in order of submission.
 
@@ -251,13 +255,23 @@ class DaemonWorkers:
 
     def close(self) -> None:
         """Idle threads exit now, busy ones after their work (a stuck one once its call
-        returns); work queued before runs first."""
+        returns); work queued before runs first. Waits up to :data:`CLOSE_WAIT_S` for the
+        threads to end, then leaves the ones still busy (stuck in a hung mount) behind."""
         with self._start_lock:
             self._closed = True
             if not self._started:
                 return
         for _ in self._threads:
             self._queue.put(None)
+        # A process often exits right after closing its store. A daemon thread still running
+        # at interpreter shutdown is ended by pthread_exit when it next takes the GIL, and a
+        # forced unwind through C++ frames aborts the whole process ("terminate called without
+        # an active exception", seen once in CI at a rank writer's exit). Idle threads end in
+        # microseconds: wait for them, never for long.
+        end = time.monotonic() + CLOSE_WAIT_S
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, end - time.monotonic()))
 
     def _serve(self) -> None:
         while (work := self._queue.get()) is not None:

@@ -6,11 +6,12 @@ import errno
 import functools
 import logging
 import threading
+import time
 
 import pytest
 
 from kvstore import ConfigError, StoreIOError, StoreTimeoutError
-from kvstore.io.deadline import DaemonWorkers, Deadline, DeliveryGate, Responsiveness
+from kvstore.io.deadline import CLOSE_WAIT_S, DaemonWorkers, Deadline, DeliveryGate, Responsiveness
 
 LOG = logging.getLogger("kvstore.test.deadline")
 
@@ -211,6 +212,27 @@ def test_daemon_workers_start_their_threads_at_the_first_submit() -> None:
     assert ran.wait(10)
     assert threading.active_count() == before + 3
     used.close()
+    assert threading.active_count() == before  # idle threads ended before close returned
+
+
+def test_daemon_workers_close_leaves_a_stuck_thread_behind_in_bounded_time() -> None:
+    """close waits for idle threads to end (a process exiting right after must not meet them
+    at interpreter shutdown), but not for one stuck in a hung mount: at most CLOSE_WAIT_S."""
+    workers = DaemonWorkers(2, "kvstore-test-close")
+    release, started = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        started.set()
+        release.wait(30)
+
+    before = threading.active_count()
+    workers.submit(stuck)
+    assert started.wait(10)
+    start = time.monotonic()
+    workers.close()
+    assert time.monotonic() - start < CLOSE_WAIT_S + 1.0
+    assert threading.active_count() == before + 1  # the idle one ended, the stuck one stays
+    release.set()
 
 
 def test_daemon_workers_refuse_no_threads() -> None:
