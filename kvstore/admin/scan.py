@@ -469,7 +469,7 @@ class _FanoutTask:
                     lo = parse_lo(name)
                     if lo is not None:
                         size = st.st_size
-                        held = max(st.st_blocks * 512, size)  # allocated_bytes
+                        held = allocated_bytes(st)
                         tally.add(size, held, st.st_mtime_ns)
                         if emit:
                             batch.append(

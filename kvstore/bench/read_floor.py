@@ -34,10 +34,7 @@ ROUND_NBYTES = 8 << 20  # bytes of files per read_files call (verify's round)
 
 def directories(root: Path) -> list[str]:
     """Every directory below ``root`` (links not followed), ``root`` included."""
-    found = []
-    for directory, _dirs, _files in os.walk(root, followlinks=False):
-        found.append(directory)
-    return found
+    return [directory for directory, _dirs, _files in os.walk(root, followlinks=False)]
 
 
 def read_directory(directory: str) -> tuple[int, int]:

@@ -1,12 +1,12 @@
 """A directory's entries, each with its ``lstat``: many per native call, or one by one.
 
-Every listing of the admin and inspection tools goes through :func:`dir_entries` (by way of
-:func:`kvstore.store.paths.iter_dir`). A fan-out directory of a big store holds hundreds of
-thousands of entries, and each ``os.stat`` of the Python listing releases and retakes the GIL:
-with the tools' listing and reader threads on two cores, that hand-over costs more than the
-system calls. The native step (``list_dir_step`` of ``kvstore._native._fileproto``) reads one
-``getdents64`` buffer and ``fstatat``'s its entries without the GIL, then hands them over at
-once.
+Every listing of the admin and inspection tools goes through :func:`dir_entry_batches` (by
+way of :func:`kvstore.store.paths.iter_dir_batches`). A fan-out directory of a big store holds
+hundreds of thousands of entries, and each ``os.stat`` of the Python listing releases and
+retakes the GIL: with the tools' listing and reader threads on two cores, that hand-over costs
+more than the system calls. The native step (``list_dir_step`` of ``kvstore._native._fileproto``)
+reads one ``getdents64`` buffer and ``fstatat``'s its entries without the GIL, then hands them
+over at once.
 
 :func:`reference_dir_entries` is the Python reference (``os.scandir`` + ``os.stat(...,
 follow_symlinks=False)``); both give the same entries in the same order with the same stat
@@ -16,6 +16,7 @@ for the others (tests/native holds them to each other).
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 from typing import NamedTuple, Protocol
@@ -85,8 +86,7 @@ def dir_entries(fd: int) -> Iterator[tuple[str, ListedStat]]:
     failure raises that ``OSError``. Beats (:mod:`kvstore.io.stall`) after each system call
     that answers and once at the end. Native when the extension is bound, else
     :func:`reference_dir_entries`."""
-    for batch in dir_entry_batches(fd):
-        yield from batch
+    return itertools.chain.from_iterable(dir_entry_batches(fd))
 
 
 def dir_entry_batches(fd: int) -> Iterator[list[tuple[str, ListedStat]]]:

@@ -27,6 +27,7 @@ a string concatenation (:meth:`ArrayPaths.block`): pathlib objects cost microsec
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import stat
@@ -357,7 +358,7 @@ def iter_dir(
 
     The directory is opened (and a failure to open it raised) at the call, not at the first
     ``next``; an error while reading it is raised from the iteration."""
-    return _flatten(iter_dir_batches(path, root=root))
+    return itertools.chain.from_iterable(iter_dir_batches(path, root=root))
 
 
 def _open_listed(path: str | Path, root: str | Path | None) -> int | None:
@@ -384,11 +385,6 @@ def iter_dir_batches(
     tools goes through here (:func:`iter_dir` too)."""
     fd = _open_listed(path, root)
     return iter(()) if fd is None else _batches(fd)
-
-
-def _flatten(batches: Iterator[list[tuple[str, ListedStat]]]) -> Iterator[tuple[str, ListedStat]]:
-    for batch in batches:
-        yield from batch
 
 
 def _batches(fd: int) -> Iterator[list[tuple[str, ListedStat]]]:
