@@ -373,62 +373,83 @@ class _BlockChecker:
     def _intact(self, blocks: Sequence[Entry]) -> list[bool]:
         """Which of ``blocks`` (raw ones) the batch check finds intact: those need nothing
         more; the others are judged one by one, and that verdict is the finding."""
-        intact = [False] * len(blocks)
         by_array: dict[tuple[str, int], list[int]] = {}
         for i, block in enumerate(blocks):
             assert block.group is not None
             by_array.setdefault((block.namespace or "", block.group), []).append(i)
-        for key, at in by_array.items():
-            batch = self._batches.get(key)
+        if len(by_array) == 1:  # the usual task: one fan-out directory's blocks
+            ((key, _at),) = by_array.items()
+            batch = self._batch(key)
             if batch is None:
-                spec = self._spec(*key)
-                if spec.codec is not None:
-                    continue  # compressed: each block judged alone
-                batch = self._batches[key] = RawBatchCheck(spec)
+                return [False] * len(blocks)
+            return batch.intact(
+                [b.path for b in blocks], [b.hash_hi for b in blocks], [b.hash_lo for b in blocks]
+            )
+        intact = [False] * len(blocks)
+        for key, at in by_array.items():
+            batch = self._batch(key)
+            if batch is None:
+                continue
             chosen = [blocks[i] for i in at]
-            found = batch.intact([b.path for b in chosen], [(b.hash_hi, b.hash_lo) for b in chosen])
+            found = batch.intact(
+                [b.path for b in chosen], [b.hash_hi for b in chosen], [b.hash_lo for b in chosen]
+            )
             for i, ok in zip(at, found, strict=True):
                 intact[i] = ok
         return intact
+
+    def _batch(self, key: tuple[str, int]) -> RawBatchCheck | None:
+        """The batch check of an array; None for a compressed one (each block judged alone)."""
+        batch = self._batches.get(key)
+        if batch is None:
+            spec = self._spec(*key)
+            if spec.codec is not None:
+                return None
+            batch = self._batches[key] = RawBatchCheck(spec)
+        return batch
 
     def _check(self, blocks: Sequence[Entry]) -> _TaskResult:
         """On a reader thread: judge ``blocks`` (and fix the bad ones): the batch check
         first, then one by one those it does not find intact."""
         out = _TaskResult()
-        fix = self._options.fix
-        intact = self._intact(blocks) if not self._stop.is_set() else []
-        for block, known_intact in zip(blocks, intact, strict=False):
+        if self._stop.is_set():
+            return out  # Ctrl-C before the task began: its blocks stay unchecked
+        intact = self._intact(blocks)
+        suspects = [block for block, ok in zip(blocks, intact, strict=True) if not ok]
+        out.checked = len(blocks) - len(suspects)
+        out.checked_bytes = sum(b.size for b, ok in zip(blocks, intact, strict=True) if ok)
+        for block in suspects:
             if self._stop.is_set():
                 break  # Ctrl-C: the blocks not begun stay unchecked (the summary says so)
-            if known_intact:
-                out.checked += 1
-                out.checked_bytes += block.size
-                continue
-            namespace = block.namespace or ""
-            assert block.group is not None
-            spec = self._spec(namespace, block.group)
-            try:
-                fault, identity = judge_block_file(block.path, spec, block.hash_hi, block.hash_lo)
-            except FileNotFoundError:
-                out.vanished += 1  # evicted or quarantined while we looked: not a finding
-                continue
-            except OSError as exc:
-                fault, identity = BlockFault("unreadable", f"{type(exc).__name__}: {exc}"), None
-            out.checked += 1
-            out.checked_bytes += block.size
-            if fault is None:
-                continue
-            action = None
-            if fix:
-                # The file judged (identity), never a copy re-published under the name since.
-                ns = self._namespaces[namespace]
-                name = f"g{block.group}-{block.hash_hi}-{block.hash_lo}"
-                action = _quarantine(ns, name, block.path, identity)
-                out.fixed += action.startswith(QUARANTINED_AS)
-            out.faults.append(
-                Finding(fault.kind, block.path, block.namespace, block.group, fault.detail, action)
-            )
+            self._judge(block, out)
         return out
+
+    def _judge(self, block: Entry, out: _TaskResult) -> None:
+        """The full check of one block the batch did not find intact (and its fix)."""
+        namespace = block.namespace or ""
+        assert block.group is not None
+        spec = self._spec(namespace, block.group)
+        try:
+            fault, identity = judge_block_file(block.path, spec, block.hash_hi, block.hash_lo)
+        except FileNotFoundError:
+            out.vanished += 1  # evicted or quarantined while we looked: not a finding
+            return
+        except OSError as exc:
+            fault, identity = BlockFault("unreadable", f"{type(exc).__name__}: {exc}"), None
+        out.checked += 1
+        out.checked_bytes += block.size
+        if fault is None:
+            return
+        action = None
+        if self._options.fix:
+            # The file judged (identity), never a copy re-published under the name since.
+            ns = self._namespaces[namespace]
+            name = f"g{block.group}-{block.hash_hi}-{block.hash_lo}"
+            action = _quarantine(ns, name, block.path, identity)
+            out.fixed += action.startswith(QUARANTINED_AS)
+        out.faults.append(
+            Finding(fault.kind, block.path, block.namespace, block.group, fault.detail, action)
+        )
 
 
 def _check_metadata(namespaces: Sequence[NamespaceView], options: VerifyOptions) -> list[Finding]:

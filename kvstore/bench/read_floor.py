@@ -24,12 +24,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
+from kvstore.io.buffers import ThreadStaging
 from kvstore.io.dirlist import dir_entries
 from kvstore.io.native_fileio import DEFAULT_FILEIO
 
 ROUND_NBYTES = 8 << 20  # bytes of files per read_files call (verify's round)
+_STAGING = ThreadStaging()
 
 
 def directories(root: Path) -> list[str]:
@@ -50,9 +50,9 @@ def read_directory(directory: str) -> tuple[int, int]:
     files = nbytes = 0
     for size, paths in by_size.items():
         rows = max(1, ROUND_NBYTES // size)
-        buffer = np.empty(rows * size, dtype=np.uint8)
+        buffer = _STAGING.copy_rows(rows, size)  # where verify's batch check reads to
         for i in range(0, len(paths), rows):
-            codes = DEFAULT_FILEIO.read_files(paths[i : i + rows], size, buffer.data)
+            codes = DEFAULT_FILEIO.read_files(paths[i : i + rows], size, buffer.reshape(-1).data)
             done = sum(1 for code in codes if code == 1)
             files += done
             nbytes += done * size

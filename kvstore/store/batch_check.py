@@ -57,26 +57,34 @@ class RawBatchCheck:
         self._rows = max(1, ROUND_NBYTES // layout.file_nbytes)
         self._staging = ThreadStaging()
 
-    def intact(self, paths: Sequence[str], coords: Sequence[tuple[int, int]]) -> list[bool]:
-        """For each file (found at hash coordinates ``coords[i]``): True when
+    def intact(
+        self, paths: Sequence[str], hash_hi: Sequence[int], hash_lo: Sequence[int]
+    ) -> list[bool]:
+        """For each file (found at hash coordinates ``hash_hi[i]``, ``hash_lo[i]``): True when
         :func:`~kvstore.store.full_check.check_file` would find no fault in it; False when it
         might (the caller checks that one with :func:`check_file`). Never raises for a
         damaged, vanished or unreadable file; never changes a file."""
-        if len(paths) != len(coords):
-            raise ValueError(f"intact: {len(paths)} paths but {len(coords)} coordinates")
+        if not len(paths) == len(hash_hi) == len(hash_lo):
+            raise ValueError(
+                f"intact: expected one coordinate pair per path, got {len(paths)} paths, "
+                f"{len(hash_hi)} hash_hi and {len(hash_lo)} hash_lo"
+            )
         out: list[bool] = []
-        for i in range(0, len(paths), self._rows):
-            out += self._round(paths[i : i + self._rows], coords[i : i + self._rows])
+        step = self._rows
+        for i in range(0, len(paths), step):
+            out += self._round(paths[i : i + step], hash_hi[i : i + step], hash_lo[i : i + step])
         return out
 
-    def _round(self, paths: Sequence[str], coords: Sequence[tuple[int, int]]) -> list[bool]:
+    def _round(
+        self, paths: Sequence[str], hash_hi: Sequence[int], hash_lo: Sequence[int]
+    ) -> list[bool]:
         layout = self._spec.layout
         size = layout.file_nbytes
-        rows = self._staging.get(len(paths) * size)[: len(paths) * size].reshape(len(paths), size)
+        rows = self._staging.copy_rows(len(paths), size)
         # Missing, not regular, wrong size, short: not read whole, and check_file says which.
         read = DEFAULT_FILEIO.read_files(paths, size, rows.reshape(-1).data)
         ok = np.array(read, dtype=np.int64) == READ_WHOLE
-        ok &= self._header_ok(rows, coords)
+        ok &= self._header_ok(rows, hash_hi, hash_lo)
         ok &= self._layout_ok(rows)
         if ok.any():
             ok &= self._sums_ok(rows)
@@ -90,7 +98,9 @@ class RawBatchCheck:
             for i, good in enumerate(ok.tolist())
         ]
 
-    def _header_ok(self, rows: np.ndarray, coords: Sequence[tuple[int, int]]) -> np.ndarray:
+    def _header_ok(
+        self, rows: np.ndarray, hash_hi: Sequence[int], hash_lo: Sequence[int]
+    ) -> np.ndarray:
         """The fixed header's fields every raw block of the array shares, the hash lengths and
         algorithm, and the key's coordinates (the crc is checked last, on the rows left)."""
         ok: np.ndarray = (rows[:, : fmt.HASH_LEN_OFFSET] == self._prefix).all(axis=1)
@@ -100,9 +110,10 @@ class RawBatchCheck:
         ok &= rows[:, fmt.HASH_LEN_OFFSET + 1] <= fmt.MAX_HASH
         ok &= rows[:, fmt.ALGO_OFFSET] == XXH3_64
         at = fmt.HASH_OFFSET
-        want = np.array(coords, dtype=np.uint64).reshape(len(rows), 2)
+        want_hi = np.array(hash_hi, dtype=np.int64)  # out of range (corrupt listing): no match
+        want_lo = np.array(hash_lo, dtype=np.uint64)
         lo = rows[:, at + 1 : at + 9].copy().view(">u8").ravel() >> np.uint64(64 - HASH_LO_BITS)
-        ok &= (rows[:, at] == want[:, 0]) & (lo == want[:, 1])
+        ok &= (rows[:, at] == want_hi) & (lo == want_lo)
         return ok
 
     def _layout_ok(self, rows: np.ndarray) -> np.ndarray:

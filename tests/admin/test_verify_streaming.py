@@ -152,7 +152,9 @@ def _interrupt_after(monkeypatch: pytest.MonkeyPatch, k: int) -> list[str]:
     monkeypatch.setattr(verify, "judge_block_file", judge)
     # Every block through the one-by-one check, where the Ctrl-C is sent from (the batch
     # check would call the good ones intact without it).
-    monkeypatch.setattr(RawBatchCheck, "intact", lambda _self, paths, _c: [False] * len(paths))
+    monkeypatch.setattr(
+        RawBatchCheck, "intact", lambda _self, paths, _hi, _lo: [False] * len(paths)
+    )
     return judged
 
 

@@ -77,13 +77,17 @@ def _coords(path: str) -> tuple[int, int]:
     return int(Path(path).parent.name), int(Path(path).name)
 
 
+def _intact(batch: RawBatchCheck, paths: list[str], coords: list[tuple[int, int]]) -> list[bool]:
+    return batch.intact(paths, [hi for hi, _ in coords], [lo for _, lo in coords])
+
+
 def _agree(spec: ShardSpec, path: str, good: list[str], coords: tuple[int, int]) -> bool:
     """Whether the batch calls ``path`` (found at ``coords``) intact - alone and among good
     files - exactly when check_file finds no fault; check_file's verdict."""
     full, _ = full_check.check_file(path, spec, coords=coords, chunk_states=False)
     batch = RawBatchCheck(spec)
-    alone = batch.intact([path], [coords])
-    among = batch.intact([*good, path], [*map(_coords, good), coords])
+    alone = _intact(batch, [path], [coords])
+    among = _intact(batch, [*good, path], [*map(_coords, good), coords])
     assert alone == [full.fault is None], (path, full.fault)
     assert among == [True] * len(good) + [full.fault is None], (path, full.fault)
     return full.fault is None
@@ -180,7 +184,7 @@ def test_the_check_changes_no_file(root: Path, make_store: StoreFactory, native:
     for i, path in enumerate(paths):  # before the epoch too: nothing is "older" than them
         os.utime(path, ns=(10**9, (i - 4) * 10**9))
     before = [os.stat(p).st_mtime_ns for p in paths]
-    assert RawBatchCheck(_spec(root)).intact(paths, [_coords(p) for p in paths]) == [True] * GOOD
+    assert _intact(RawBatchCheck(_spec(root)), paths, [_coords(p) for p in paths]) == [True] * GOOD
     assert [os.stat(p).st_mtime_ns for p in paths] == before
 
 
@@ -194,15 +198,15 @@ def test_rounds_of_any_size_agree(
     want = [i != 3 for i in range(GOOD)]
     for rows in (1, 3, GOOD, 100):
         monkeypatch.setattr(batch_check, "ROUND_NBYTES", rows * group.layout.file_nbytes)
-        assert RawBatchCheck(_spec(root)).intact(paths, coords) == want
-    with pytest.raises(ValueError, match="coordinates"):
-        RawBatchCheck(_spec(root)).intact(paths, coords[:-1])
+        assert _intact(RawBatchCheck(_spec(root)), paths, coords) == want
+    with pytest.raises(ValueError, match="one coordinate pair per path"):
+        _intact(RawBatchCheck(_spec(root)), paths, coords[:-1])
 
 
 def _verify_doc(root: Path, *, batch: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     with monkeypatch.context() as m:
         if not batch:
-            m.setattr(RawBatchCheck, "intact", lambda self, paths, coords: [False] * len(paths))
+            m.setattr(RawBatchCheck, "intact", lambda self, paths, hi, lo: [False] * len(paths))
         return verify.verify_store(root, verify.VerifyOptions(progress=False, threads=2))
 
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore.keys import HASH_LO_BITS, hash_coords
 from kvstore.store import paths
@@ -32,8 +36,22 @@ def test_temp_names_round_trip_and_parse_both_shapes() -> None:
 def test_block_names_are_canonical_decimals() -> None:
     assert paths.parse_lo("0") == 0
     assert paths.parse_lo(str((1 << HASH_LO_BITS) - 1)) == (1 << HASH_LO_BITS) - 1
-    for name in ["01", "", "-1", "1 ", "12\n", "\u00b2", str(1 << HASH_LO_BITS), ".1.tmp-x"]:
+    for name in ["01", "", "-1", "1 ", "12\n", "\u00b2", str(1 << HASH_LO_BITS), ".1.tmp-x",
+                 "\u0663", "+1", "1_0", "0" * 30, "9" * 300]:  # fmt: skip
         assert paths.parse_lo(name) is None, name
+
+
+_CANONICAL_DECIMAL = re.compile(r"(0|[1-9][0-9]*)")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(st.text(max_size=24), st.from_regex(r"[0-9]{1,21}", fullmatch=True)))
+def test_block_names_match_the_format_rule(name: str) -> None:
+    """parse_lo is string predicates for speed; the format's rule is this regex and bound."""
+    expected = None
+    if _CANONICAL_DECIMAL.fullmatch(name) and int(name) < 1 << HASH_LO_BITS:
+        expected = int(name)
+    assert paths.parse_lo(name) == expected
     assert paths.parse_group_dir("g12") == 12
     assert paths.parse_group_dir("g012") is None
 
