@@ -144,6 +144,18 @@ static PyMethodDef fileproto_methods[] = {
      "list_dir_step's. No mtime is touched. Outcome 1: read whole; -errno of the step that "
      "failed; -EBADMSG for a file that is not regular, has another size or reads short (its "
      "row then holds what was read)."},
+    {"check_rows", kv_fp_check_rows, METH_VARARGS,
+     "check_rows(rows, count, row_nbytes, equal, zero, ranges, key, hash_hi, hash_lo, slots, "
+     "crc_offset, xxh3) -> bytes: for each of the `count` rows of `row_nbytes` bytes at the "
+     "start of the buffer `rows`, without the GIL, 1 when every rule holds, else 0: each "
+     "(offset, bytes) of `equal` (the row's bytes there are those), each (offset, length) of "
+     "`zero` (all zero there), each (offset, low, high) of `ranges` (low <= the byte <= high), "
+     "`key` (hi_offset, lo_offset, lo_shift): the byte at hi_offset is hash_hi[i] and the "
+     "big-endian uint64 at lo_offset shifted right by lo_shift (1..63) is hash_lo[i]; `slots` "
+     "(slots_offset, chunks, first, stride, chunk_nbytes): each little-endian uint64 slot c is "
+     "non-zero and the capsule `xxh3` of the chunk_nbytes at first + c * stride; the "
+     "little-endian uint32 at crc_offset is the crc32c of the bytes before it. Every rule "
+     "must lie within a row; ValueError, TypeError or OverflowError otherwise."},
     {"first_unaligned", fileproto_first_unaligned, METH_VARARGS,
      "first_unaligned(segments, alignment) -> (index, address_aligned): the index of the first "
      "(offset, buffer) segment whose memory's address or length is not a multiple of "

@@ -11,6 +11,7 @@
  *   fileproto_pieces.c      publish_pieces, read_pieces
  *   fileproto_scan.c        list_dir_step, read_files (the offline tools' walks, many entries
  *                           per call)
+ *   fileproto_rows.c        check_rows (the rules every row of whole block files must meet)
  *
  * Every function here is shared between those files (kv_fp_ prefix, hidden from the module's
  * symbol table: only PyInit__fileproto is exported); everything else stays static in its file.
@@ -136,6 +137,7 @@ PyObject *kv_fp_publish_pieces(PyObject *module, PyObject *args);   /* fileproto
 PyObject *kv_fp_read_pieces(PyObject *module, PyObject *args);      /* fileproto_pieces.c */
 PyObject *kv_fp_list_dir_step(PyObject *module, PyObject *args);    /* fileproto_scan.c */
 PyObject *kv_fp_read_files(PyObject *module, PyObject *args);       /* fileproto_scan.c */
+PyObject *kv_fp_check_rows(PyObject *module, PyObject *args);       /* fileproto_rows.c */
 
 #pragma GCC visibility pop
 

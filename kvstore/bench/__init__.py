@@ -93,6 +93,7 @@ PRESETS: dict[str, tuple[Any, Any]] = {
     "store_blocks": (20_000, 1_000_000),
     "store_sizes": ("10000,20000", "10000,100000,1000000"),
     "scale_sizes": ("10000,100000", "10000,100000,1000000"),
+    "scale_check_mib": ("128", "512"),
     "scaling_threads": ("1,4,16", "1,2,4,8,16"),
     "scaling_tokens": ("16,64,256", "16,32,64,128,256"),
     "scaling_gib": (0.125, 1.0),
@@ -163,6 +164,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--store-sizes", default=None, help="scaling store-size checkpoints")
     parser.add_argument(
         "--scale-sizes", default=None, help="scale suite: store sizes the commands run at"
+    )
+    parser.add_argument(
+        "--scale-check-mib",
+        default=None,
+        help="scale suite: MiB of each larger-block store verify runs on against its read "
+        "floor (0: none)",
     )
     parser.add_argument("--scaling-threads", default=None)
     parser.add_argument("--scaling-tokens", default=None)
@@ -438,7 +445,9 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "scaling": _run_scaling,
     "compression": _run_compression,
     "overhead": _run_overhead,
-    "scale": lambda args, base: scale.run(base, _ints(args.scale_sizes)),
+    "scale": lambda args, base: scale.run(
+        base, _ints(args.scale_sizes), int(args.scale_check_mib)
+    ),
     "writers": lambda args, base: writers.run(
         base,
         _ints(args.writers_procs),

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.bench import verify_floor
 from kvstore.bench.lookup import ChainStore, measure_chain
 from kvstore.bench.read_floor import read_floor
 from kvstore.store.group_store import GroupStore
@@ -104,8 +105,10 @@ def _store_bytes(root: Path) -> int:
     return sum(entry.stat().st_size for entry in root.rglob("*") if entry.is_file())
 
 
-def run(base: Path, sizes: Sequence[int]) -> dict[str, Any]:
-    """Grow one store through ``sizes``; at each, every command once (module doc)."""
+def run(base: Path, sizes: Sequence[int], check_mib: int = 0) -> dict[str, Any]:
+    """Grow one store through ``sizes``; at each, every command once (module doc). With
+    ``check_mib``, then verify against its read floor at larger block sizes, on stores of
+    about that many MiB (:mod:`kvstore.bench.verify_floor`)."""
     built = ChainStore(base / "scale-store")
     rows: list[dict[str, Any]] = []
     try:
@@ -124,9 +127,9 @@ def run(base: Path, sizes: Sequence[int]) -> dict[str, Any]:
             }
             for name, template in COMMANDS:
                 argv = [a.format(root=built.root, ns=namespace, budget=budget) for a in template]
-                result = run_command(argv)
-                result["blocks_per_s"] = round(built.size / max(result["seconds"], 1e-9))
-                at_size["commands"][name] = result
+                ran = run_command(argv)
+                ran["blocks_per_s"] = round(built.size / max(ran["seconds"], 1e-9))
+                at_size["commands"][name] = ran
             floor = read_floor(built.root, FLOOR_THREADS)
             floor["blocks_per_s"] = round(built.size / max(floor["seconds"], 1e-9))
             at_size["read_floor"] = floor
@@ -135,7 +138,10 @@ def run(base: Path, sizes: Sequence[int]) -> dict[str, Any]:
             rows.append(at_size)
     finally:
         built.close()
-    return {"sizes": rows, "growth": growth(rows)}
+    result: dict[str, Any] = {"sizes": rows, "growth": growth(rows)}
+    if check_mib > 0:
+        result["verify_by_block_size"] = verify_floor.run(base, check_mib)
+    return result
 
 
 def growth(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -206,4 +212,5 @@ def table(result: dict[str, Any]) -> str:
         f"commands at {big['store_blocks']:,} blocks, k blocks/s: "
         + ", ".join(f"{name} {c['blocks_per_s'] / 1e3:.0f}" for name, c in big["commands"].items())
     )
+    lines += verify_floor.lines(result.get("verify_by_block_size", []))
     return "\n".join(lines)

@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -429,3 +430,161 @@ def check_read_files(
             f"got {len(view)}"
         )
     return names, size, view
+
+
+@dataclass(frozen=True)
+class CheckedRows:
+    """check_rows' arguments once checked: the rows as a flat byte view and each rule as plain
+    integers and bytes (kvstore/_native/fileproto_rows.c)."""
+
+    view: memoryview
+    count: int
+    row_nbytes: int
+    equal: list[tuple[int, bytes]]
+    zero: list[tuple[int, int]]
+    ranges: list[tuple[int, int, int]]
+    key: tuple[int, int, int]
+    hash_hi: list[int]
+    hash_lo: list[int]
+    slots: tuple[int, int, int, int, int]
+    crc_offset: int
+
+
+def check_rows_args(  # noqa: PLR0913 - check_rows' arguments, in the C's order
+    rows: object,
+    count: object,
+    row_nbytes: object,
+    equal: object,
+    zero: object,
+    ranges: object,
+    key: object,
+    hash_hi: object,
+    hash_lo: object,
+    slots: object,
+    crc_offset: object,
+) -> CheckedRows:
+    """check_rows' arguments, in the C's order: the scalars (count, row size, crc offset, as
+    ``n``), count >= 0 and row size > 0, the rows (a contiguous buffer of at least count rows,
+    the total below 2**63), the equal, zero and range rules, the key and slot rules, the crc
+    rule (each within a row), then the coordinates (one per row, hash_hi in 0..255, hash_lo in
+    0..2**(64 - lo_shift) - 1)."""
+    n = ssize(count, "check_rows")
+    size = ssize(row_nbytes, "check_rows")
+    crc = ssize(crc_offset, "check_rows")
+    if n < 0 or size <= 0:
+        raise ValueError(
+            f"check_rows: expected a row count >= 0 and a row size > 0, got {n} rows of {size} "
+            "bytes"
+        )
+    view = buffer_view(rows, writable=False)
+    if view is None:
+        raise TypeError(f"check_rows: expected the rows as a contiguous buffer, got {type(rows)}")
+    if n * size > _SSIZE_MAX:
+        raise OverflowError(f"check_rows: expected {n} rows of {size} bytes to fit below 2**63")
+    if len(view) < n * size:
+        raise ValueError(f"check_rows: expected rows of at least {n * size} bytes, got {len(view)}")
+    equal_rules = [
+        _equal_rule(item, i, size)
+        for i, item in enumerate(
+            snapshot(equal, "check_rows: expected the equal rules as (offset, bytes) pairs")
+        )
+    ]
+    zero_rules = []
+    for i, item in enumerate(snapshot(zero, "check_rows: expected the zero rules as pairs")):
+        offset, length = _rule_ints(item, 2, "zero rule", i)
+        _within_row(size, offset, length, "zero rule", i)
+        zero_rules.append((offset, length))
+    range_rules = []
+    for i, item in enumerate(snapshot(ranges, "check_rows: expected the range rules")):
+        offset, low, high = _rule_ints(item, 3, "range rule", i)
+        _within_row(size, offset, 1, "range rule", i)
+        if not 0 <= low <= high <= 255:
+            raise ValueError(f"check_rows: expected range rule {i}'s bounds in 0..255")
+        range_rules.append((offset, low, high))
+    hi_offset, lo_offset, lo_shift = _rule_ints(key, 3, "key rule", 0)
+    _within_row(size, hi_offset, 1, "key rule", 0)
+    _within_row(size, lo_offset, 8, "key rule", 0)
+    if not 1 <= lo_shift <= 63:
+        raise ValueError(f"check_rows: expected the key's lo_shift in 1..63, got {lo_shift}")
+    slot_rule = _rule_ints(slots, 5, "slot rule", 0)
+    slots_offset, chunks, first, stride, chunk_nbytes = slot_rule
+    if chunks < 0 or chunk_nbytes <= 0 or stride < chunk_nbytes:
+        raise ValueError("check_rows: expected chunks >= 0 and 0 < chunk_nbytes <= stride")
+    _within_row(size, slots_offset, min(8 * chunks, _SSIZE_MAX), "slot rule's slots", 0)
+    span = min((chunks - 1) * stride + chunk_nbytes, _SSIZE_MAX) if chunks else 0
+    _within_row(size, first, span, "slot rule's chunks", 0)
+    _within_row(size, crc, 4, "crc rule", 0)
+    return CheckedRows(
+        view,
+        n,
+        size,
+        equal_rules,
+        zero_rules,
+        range_rules,
+        (hi_offset, lo_offset, lo_shift),
+        _coords(hash_hi, n, 255, "hash_hi"),
+        _coords(hash_lo, n, (1 << (64 - lo_shift)) - 1, "hash_lo"),
+        (slots_offset, chunks, first, stride, chunk_nbytes),
+        crc,
+    )
+
+
+def _rule_ints(item: object, n: int, what: str, index: int) -> tuple[int, ...]:
+    """One rule as ``n`` integers within ``Py_ssize_t`` (the C's ``rule_ints``)."""
+    wrong = TypeError(f"check_rows: expected {what} {index} as a sequence of {n} integers")
+    try:
+        values: tuple[Any, ...] = tuple(item)  # type: ignore[arg-type]
+    except TypeError:
+        raise wrong from None
+    if len(values) != n:
+        raise wrong
+    out = []
+    for value in values:
+        try:
+            number = operator.index(value)
+        except TypeError:
+            raise wrong from None
+        if not _SSIZE_MIN <= number <= _SSIZE_MAX:
+            raise OverflowError(f"check_rows: expected {what} {index}'s integers within 2**63")
+        out.append(number)
+    return tuple(out)
+
+
+def _equal_rule(item: object, index: int, row_nbytes: int) -> tuple[int, bytes]:
+    if not isinstance(item, tuple) or len(item) != 2:
+        raise TypeError(f"check_rows: expected equal rule {index} as an (offset, bytes) pair")
+    try:
+        offset = operator.index(item[0])
+    except TypeError:
+        raise TypeError(f"check_rows: expected equal rule {index}'s offset as an integer") from None
+    if not _SSIZE_MIN <= offset <= _SSIZE_MAX:
+        raise OverflowError(f"check_rows: expected equal rule {index}'s offset within 2**63")
+    view = buffer_view(item[1], writable=False)
+    if view is None:
+        raise TypeError(f"check_rows: expected equal rule {index}'s bytes as a contiguous buffer")
+    _within_row(row_nbytes, offset, len(view), "equal rule", index)
+    return offset, view.tobytes()
+
+
+def _within_row(row_nbytes: int, offset: int, length: int, what: str, index: int) -> None:
+    if offset < 0 or length < 0 or offset + length > row_nbytes:
+        raise ValueError(
+            f"check_rows: expected {what} {index} within a row of {row_nbytes} bytes, got "
+            f"{length} bytes at {offset}"
+        )
+
+
+def _coords(values: object, count: int, most: int, what: str) -> list[int]:
+    items = snapshot(values, "check_rows: expected the coordinates as a sequence of integers")
+    if len(items) != count:
+        raise ValueError(f"check_rows: expected {count} {what} values, got {len(items)}")
+    out = []
+    for i, item in enumerate(items):
+        try:
+            value = operator.index(item)
+        except TypeError:
+            raise TypeError(f"check_rows: expected {what}[{i}] as an integer") from None
+        if not 0 <= value <= most:
+            raise ValueError(f"check_rows: expected {what}[{i}] in 0..{most}")
+        out.append(value)
+    return out

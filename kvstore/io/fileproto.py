@@ -119,6 +119,22 @@ class NativeFileProto(Protocol):
         self, paths: Sequence[str], file_nbytes: int, rows: Any, beat: Any, /
     ) -> list[int]: ...
 
+    def check_rows(  # noqa: PLR0913 - the C function's arguments
+        self,
+        rows: Any,
+        count: int,
+        row_nbytes: int,
+        equal: Sequence[tuple[int, Any]],
+        zero: Sequence[tuple[int, int]],
+        ranges: Sequence[tuple[int, int, int]],
+        key: tuple[int, int, int],
+        hash_hi: Sequence[int],
+        hash_lo: Sequence[int],
+        slots: tuple[int, int, int, int, int],
+        crc_offset: int,
+        xxh3: object,
+        /,
+    ) -> bytes: ...
     def read_pieces(  # noqa: PLR0913 - the C function's arguments
         self,
         blocks: Sequence[tuple[str, Any, Any]],
@@ -155,8 +171,21 @@ class NativeFileProto(Protocol):
     ) -> list[int]: ...
 
 
+# Every function of NativeFileProto: an extension built from older sources lacks some, and is
+# not used at all (one warning) rather than failing at the first call of a missing one.
+REQUIRED_FUNCTIONS = tuple(
+    name for name in NativeFileProto.__dict__ if not name.startswith("_") and name != "mro"
+)
+
+
 def _bind(module: ModuleType) -> tuple[NativeFileProto | None, str | None]:
     """The extension, once it is checked to be built for this platform's flag values."""
+    missing = [name for name in REQUIRED_FUNCTIONS if not callable(getattr(module, name, None))]
+    if missing:
+        return None, (
+            f"kvstore._native._fileproto lacks {', '.join(missing)}: built from older sources "
+            "(reinstall kvstore to rebuild it)"
+        )
     wrong = self_test(module.constants())
     if wrong is not None:
         return None, f"kvstore._native._fileproto failed its self-test: {wrong}"

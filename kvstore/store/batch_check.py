@@ -5,9 +5,10 @@ microseconds of Python per file, which is all of a tiny block's time (one 4 KiB 
 reads in a few). :class:`RawBatchCheck` reads a batch of files into the rows of one buffer
 in one native call that releases the GIL for the whole batch (:meth:`FileIO.read_files
 <kvstore.io.fileio.FileIO.read_files>`: a regular file of the exact size, never blocking on a
-FIFO, never following a link, never touching the mtime), then checks every row at once in numpy
-and hashes every inner chunk of the batch in one native xxh3 batch
-(:func:`~kvstore.checksum.strided_chunk_sums`).
+FIFO, never following a link, never touching the mtime), then checks every row against the
+array's rules (:func:`raw_block_rules`) in a second one, header fields, padding, crc and every
+inner chunk's xxh3 included (:func:`kvstore.io.row_rules.check_rows`; numpy and one crc call
+per row without the extension).
 
 The contract is one-sided: a file is reported intact only when every condition that
 :func:`check_file` requires of an intact raw block holds (size, magic, version, flags, header
@@ -24,22 +25,55 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
-from kvstore.checksum import XXH3_64, crc32c, strided_chunk_sums
+from kvstore.checksum import XXH3_64
 from kvstore.io.buffers import ThreadStaging
 from kvstore.io.file_batch import READ_WHOLE
 from kvstore.io.native_fileio import DEFAULT_FILEIO
+from kvstore.io.row_rules import RowRules, check_rows
 from kvstore.keys import HASH_LO_BITS
 from kvstore.store import format as fmt
 from kvstore.store.check import ShardSpec
 
-# Bytes of files read per round: many tiny blocks share a round's numpy checks and checksum
-# batch, while a thread's buffer stays small whatever the block size (a 2 MiB block: 4 a round).
+# Bytes of files read per round: many tiny blocks share a round's two native calls, while a
+# thread's buffer stays small whatever the block size (a 2 MiB block: 4 a round).
 ROUND_NBYTES = 8 << 20
 # decode_header takes the hash's first hash_len bytes; hash_coords reads bytes 1..8 of them:
 # from 9 bytes on, the coordinates are those of the zero-padded field, read here as a whole.
 _MIN_HASH_LEN = 9
+
+
+def raw_block_rules(spec: ShardSpec) -> RowRules:
+    """The rules a whole raw block file of ``spec``'s array meets when :func:`check_file` would
+    find no fault in it (the module doc lists them), as :func:`check_rows` takes them."""
+    layout = spec.layout
+    prefix, geometry = spec.raw_template
+    n = layout.num_chunks
+    slots_end = fmt.checksum_slot_offset(n)
+    zero = [
+        (fmt.HEADER_FIXED_NBYTES - 4, 4),  # the header's reserved u32
+        (slots_end, layout.header_nbytes - slots_end),  # the header's tail after the slots
+    ]
+    first, stride, chunk = layout.chunk_offset(0), layout.chunk_stride, layout.chunk_nbytes
+    if stride > chunk:  # padded chunks: each one's padding is zero
+        zero += [(first + c * stride + chunk, stride - chunk) for c in range(n)]
+    return RowRules(
+        row_nbytes=layout.file_nbytes,
+        equal=(
+            (0, prefix),  # magic, version, flags, header size, namespace, group
+            (fmt.GEOMETRY_OFFSET, geometry),
+            (layout.data_end, bytes(layout.index_bytes)),  # the fixed sharding index
+        ),
+        zero=tuple(zero),
+        ranges=(
+            (fmt.HASH_LEN_OFFSET, _MIN_HASH_LEN, fmt.MAX_HASH),  # the block hash's length
+            (fmt.HASH_LEN_OFFSET + 1, 0, fmt.MAX_HASH),  # the parent hash's length
+            (fmt.ALGO_OFFSET, XXH3_64, XXH3_64),  # the checksum algorithm
+        ),
+        # The hash's first byte is hash_hi; its next 8 bytes, big-endian, shifted, hash_lo.
+        key=(fmt.HASH_OFFSET, fmt.HASH_OFFSET + 1, 64 - HASH_LO_BITS),
+        slots=(fmt.HEADER_FIXED_NBYTES, n, first, stride, chunk),
+        crc_offset=fmt.CRC_OFFSET,
+    )
 
 
 class RawBatchCheck:
@@ -48,13 +82,8 @@ class RawBatchCheck:
     def __init__(self, spec: ShardSpec) -> None:
         if spec.codec is not None:
             raise ValueError("RawBatchCheck: expected a raw array, got a compressed one")
-        self._spec = spec
-        layout = spec.layout
-        prefix, geometry = spec.raw_template
-        self._prefix = np.frombuffer(prefix, dtype=np.uint8)
-        self._geometry = np.frombuffer(geometry, dtype=np.uint8)
-        self._index = np.frombuffer(layout.index_bytes, dtype=np.uint8)
-        self._rows = max(1, ROUND_NBYTES // layout.file_nbytes)
+        self._rules = raw_block_rules(spec)
+        self._rows = max(1, ROUND_NBYTES // spec.layout.file_nbytes)
         self._staging = ThreadStaging()
 
     def intact(
@@ -78,79 +107,9 @@ class RawBatchCheck:
     def _round(
         self, paths: Sequence[str], hash_hi: Sequence[int], hash_lo: Sequence[int]
     ) -> list[bool]:
-        layout = self._spec.layout
-        size = layout.file_nbytes
-        rows = self._staging.copy_rows(len(paths), size)
+        size = self._rules.row_nbytes
+        flat = self._staging.copy_rows(len(paths), size).reshape(-1).data
         # Missing, not regular, wrong size, short: not read whole, and check_file says which.
-        read = DEFAULT_FILEIO.read_files(paths, size, rows.reshape(-1).data)
-        ok = np.array(read, dtype=np.int64) == READ_WHOLE
-        ok &= self._header_ok(rows, hash_hi, hash_lo)
-        ok &= self._layout_ok(rows)
-        if ok.any():
-            ok &= self._sums_ok(rows)
-        # The header crc last, one call per row still in the running (as bytes: slicing a
-        # memoryview costs a fraction of slicing the array).
-        at = fmt.CRC_OFFSET
-        fixed = memoryview(rows[:, :at].tobytes())
-        stored = rows[:, at : at + 4].copy().view("<u4").ravel().tolist()
-        return [
-            bool(good) and crc32c(fixed[i * at : (i + 1) * at]) == stored[i]
-            for i, good in enumerate(ok.tolist())
-        ]
-
-    def _header_ok(
-        self, rows: np.ndarray, hash_hi: Sequence[int], hash_lo: Sequence[int]
-    ) -> np.ndarray:
-        """The fixed header's fields every raw block of the array shares, the hash lengths and
-        algorithm, and the key's coordinates (the crc is checked last, on the rows left)."""
-        ok: np.ndarray = (rows[:, : fmt.HASH_LEN_OFFSET] == self._prefix).all(axis=1)
-        ok &= (rows[:, fmt.GEOMETRY_OFFSET : fmt.CREATED_OFFSET] == self._geometry).all(axis=1)
-        hash_len = rows[:, fmt.HASH_LEN_OFFSET]
-        ok &= (hash_len >= _MIN_HASH_LEN) & (hash_len <= fmt.MAX_HASH)
-        ok &= rows[:, fmt.HASH_LEN_OFFSET + 1] <= fmt.MAX_HASH
-        ok &= rows[:, fmt.ALGO_OFFSET] == XXH3_64
-        at = fmt.HASH_OFFSET
-        want_hi = np.array(hash_hi, dtype=np.int64)  # out of range (corrupt listing): no match
-        want_lo = np.array(hash_lo, dtype=np.uint64)
-        lo = rows[:, at + 1 : at + 9].copy().view(">u8").ravel() >> np.uint64(64 - HASH_LO_BITS)
-        ok &= (rows[:, at] == want_hi) & (lo == want_lo)
-        return ok
-
-    def _layout_ok(self, rows: np.ndarray) -> np.ndarray:
-        """The fixed sharding index, filled checksum slots, and zero padding (the header's
-        reserved u32 and tail, and the chunks' stride padding)."""
-        layout = self._spec.layout
-        n = layout.num_chunks
-        ok: np.ndarray = (rows[:, layout.data_end :] == self._index).all(axis=1)
-        ok &= ~rows[:, fmt.HEADER_FIXED_NBYTES - 4 : fmt.HEADER_FIXED_NBYTES].any(axis=1)
-        ok &= ~rows[:, fmt.checksum_slot_offset(n) : layout.header_nbytes].any(axis=1)
-        ok &= self._slots(rows).all(axis=1)
-        if not layout.dense:
-            first, stride = layout.chunk_offset(0), layout.chunk_stride
-            chunks = rows[:, first : first + n * stride].reshape(len(rows), n, stride)
-            ok &= ~chunks[:, :, layout.chunk_nbytes :].any(axis=(1, 2))
-        return ok
-
-    def _sums_ok(self, rows: np.ndarray) -> np.ndarray:
-        """Every inner chunk's xxh3 equals its slot: one native batch over the whole round."""
-        layout = self._spec.layout
-        n, count = layout.num_chunks, len(rows)
-        size, first = layout.file_nbytes, layout.chunk_offset(0)
-        flat = rows.reshape(-1).data
-        if n <= count:  # one run per chunk number, across the files (a tiny block: one run)
-            starts = [first + c * layout.chunk_stride for c in range(n)]
-            by_chunk = strided_chunk_sums(XXH3_64, flat, starts, size, count, layout.chunk_nbytes)
-            sums = by_chunk.reshape(n, count).T
-        else:  # one run per file, across its chunks
-            starts = [r * size + first for r in range(count)]
-            sums = strided_chunk_sums(
-                XXH3_64, flat, starts, layout.chunk_stride, n, layout.chunk_nbytes
-            ).reshape(count, n)
-        ok: np.ndarray = (sums == self._slots(rows)).all(axis=1)
-        return ok
-
-    def _slots(self, rows: np.ndarray) -> np.ndarray:
-        """The checksum slots of every row, (rows, chunks) uint64."""
-        at = fmt.HEADER_FIXED_NBYTES
-        n = self._spec.layout.num_chunks
-        return rows[:, at : at + 8 * n].copy().view("<u8").astype(np.uint64)
+        read = DEFAULT_FILEIO.read_files(paths, size, flat)
+        held = check_rows(flat, len(paths), self._rules, hash_hi, hash_lo)
+        return [code == READ_WHOLE and bool(ok) for code, ok in zip(read, held, strict=True)]

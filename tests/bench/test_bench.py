@@ -19,7 +19,7 @@ TINY = [
     "--layouts", "tp=2:tp=1", "--layout-gib", "0.01",
     "--scaling-threads", "1,2", "--scaling-tokens", "16", "--scaling-gib", "0.01",
     "--compression-gib", "0.01", "--overhead-blocks", "50", "--durability", "none",
-    "--tier-lookup-blocks", "16", "--scale-sizes", "1100,1300",
+    "--tier-lookup-blocks", "16", "--scale-sizes", "1100,1300", "--scale-check-mib", "2",
 ]  # fmt: skip
 
 
@@ -61,6 +61,9 @@ def test_every_suite_runs_and_renders(tmp_path: Path, capsys: pytest.CaptureFixt
             assert command["exit"] in (0, 1), (name, command["stderr_tail"])
             assert 10 < command["peak_rss_mb"] < 600, (name, command)
     assert set(scale["growth"]) == {name for name, _ in bench.scale.COMMANDS}
+    by_size = scale["verify_by_block_size"]  # a clean verify of each store, against its floor
+    assert [r["file_nbytes"] > 30_000 for r in by_size] == [True] * len(bench.verify_floor.LAYERS)
+    assert all(r["blocks"] >= 1 and r["verify_vs_floor"] > 0 for r in by_size)
     assert any(t["what"].startswith("lookup") for t in report["targets"])
     text = page.read_text()
     assert "python scripts/bench.py" in text and "## Compression" in text

@@ -80,3 +80,25 @@ def test_self_test_refuses_other_flag_values() -> None:
     wrong = fileproto.self_test({**constants, "O_NOFOLLOW": 0})
     assert wrong is not None
     assert wrong.startswith("O_NOFOLLOW: expected")
+
+
+def test_a_build_from_older_sources_is_not_used() -> None:
+    """An extension that lacks one of the protocol's functions (built before it was added) is
+    refused as a whole, naming what it lacks, instead of failing at that function's first
+    call; one with every function is bound."""
+    module: Any = fileproto.native_fileproto()  # the module itself, from wherever it loaded
+    if module is None:
+        pytest.skip("the native file protocol is not bound here")
+
+    class Older:
+        def __getattr__(self, name: str) -> Any:
+            if name == "check_rows":
+                raise AttributeError(name)
+            return getattr(module, name)
+
+    native, why = fileproto._bind(Older())  # type: ignore[arg-type]
+    assert native is None
+    assert why is not None and "lacks check_rows" in why and "reinstall" in why
+    assert set(fileproto.REQUIRED_FUNCTIONS) >= {"check_rows", "read_files", "list_dir_step"}
+    bound, why = fileproto._bind(module)
+    assert bound is module and why is None
