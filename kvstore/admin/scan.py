@@ -126,6 +126,14 @@ class BlockTally:
         if self.newest_ns is None or mtime_ns > self.newest_ns:
             self.newest_ns = mtime_ns
 
+    def add_many(self, sizes: list[int], allocated: list[int], mtimes_ns: list[int]) -> None:
+        """:meth:`add` for each block of a listing step (the three lists in step)."""
+        if not sizes:
+            return
+        self.merge(
+            BlockTally(len(sizes), sum(sizes), sum(allocated), min(mtimes_ns), max(mtimes_ns))
+        )
+
     def merge(self, other: BlockTally) -> None:
         self.blocks += other.blocks
         self.bytes += other.bytes
@@ -460,35 +468,42 @@ class _FanoutTask:
         part = FanoutPart()
         batch: list[Entry] = []
         # The loop body runs once per block of the store (10^8 at most): what it calls is
-        # bound to locals, and a block's Entry is built here, not through _entry.
+        # bound to locals, a block's Entry is built here, not through _entry, and the tally
+        # takes each listing step's blocks at once (sums, not a call per block).
         prefix, emit, tally = f"{directory}{os.sep}", self.emit_blocks, part.tally
         is_regular, parse_lo = stat.S_ISREG, paths.parse_lo
         try:
             for listed in paths.iter_dir_batches(directory):
+                sizes: list[int] = []
+                helds: list[int] = []
+                mtimes: list[int] = []
                 for name, st in listed:
-                    path = prefix + name
                     if not is_regular(st.st_mode):
-                        part.foreign.append(_foreign(path, ns, group, st, part.unreadable))
+                        part.foreign.append(_foreign(prefix + name, ns, group, st, part.unreadable))
                         continue
                     lo = parse_lo(name)
                     if lo is not None:
-                        size = st.st_size
-                        held = allocated_bytes(st)
-                        tally.add(size, held, st.st_mtime_ns)
+                        size, mtime = st.st_size, st.st_mtime_ns
+                        held = max(st.st_blocks * 512, size)  # allocated_bytes, inline
+                        sizes.append(size)
+                        helds.append(held)
+                        mtimes.append(mtime)
                         if emit:
                             batch.append(
-                                Entry(BLOCK, path, ns, group, hi, lo, size, st.st_mtime_ns,
+                                Entry(BLOCK, prefix + name, ns, group, hi, lo, size, mtime,
                                       st.st_ino, False, 0, st.st_dev, held)
                             )  # fmt: skip
                             if len(batch) >= BLOCK_BATCH:
                                 self._put(batch)
                                 batch = []
                         continue
+                    path = prefix + name
                     lo = paths.parse_temp_lo(name)  # ``.<lo>.tmp-<token>``, or before the dot
                     if lo is not None:
                         part.temps.append(_entry(TEMP, path, ns, group, hi, lo, st))
                     else:
                         part.foreign.append(_foreign(path, ns, group, st, part.unreadable))
+                tally.add_many(sizes, helds, mtimes)
         except OSError as exc:
             # Unreadable (EACCES, EIO), or failing part-way: what was sorted before counts.
             part.unreadable.append(Problem(Path(directory), _why(exc)))
