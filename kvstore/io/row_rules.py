@@ -17,8 +17,9 @@ for every input (tests/native/test_differential_rows.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +40,25 @@ class RowRules:
     slots: tuple[int, int, int, int, int]  # (slots_offset, chunks, first, stride, chunk_nbytes)
     crc_offset: int  # the little-endian crc32c of the bytes before it
 
+    def arguments(
+        self, rows: object, count: object, hash_hi: object, hash_lo: object
+    ) -> tuple[Any, ...]:
+        """check_rows' arguments but the xxh3 capsule, in its order, for ``count`` rows of
+        ``rows`` at these coordinates."""
+        return (
+            rows,
+            count,
+            self.row_nbytes,
+            self.equal,
+            self.zero,
+            self.ranges,
+            self.key,
+            hash_hi,
+            hash_lo,
+            self.slots,
+            self.crc_offset,
+        )
+
 
 def check_rows(
     rows: memoryview, count: int, rules: RowRules, hash_hi: Sequence[int], hash_lo: Sequence[int]
@@ -48,22 +68,11 @@ def check_rows(
     xxh3 batch are bound, else :func:`reference_check_rows`."""
     native = native_fileproto()
     xxh3 = native_xxh3_capsule() if native is not None else None
-    args = (
-        rows,
-        count,
-        rules.row_nbytes,
-        rules.equal,
-        rules.zero,
-        rules.ranges,
-        rules.key,
-        hash_hi,
-        hash_lo,
-        rules.slots,
-        rules.crc_offset,
-    )
+    args = rules.arguments(rows, count, hash_hi, hash_lo)
     if native is None or xxh3 is None:
         return reference_check_rows(*args)
-    return native.check_rows(*args, xxh3)
+    call: Callable[..., bytes] = native.check_rows  # the arguments' count mypy cannot see
+    return call(*args, xxh3)
 
 
 def reference_check_rows(  # noqa: PLR0913 - check_rows' arguments, in its order
