@@ -26,6 +26,7 @@ thread takes new ones, and nothing of that slice reaches the pool.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +56,8 @@ from kvstore.store.types import (
 # pages per call (1 GiB of an 8 MiB-page model), and freshly allocated rows cost a page fault
 # per 4 KiB on every call (measured: it halved a batch write's speed).
 STAGING_BYTES = 64 << 20
+
+logger = logging.getLogger("kvstore.sglang")
 
 # A slice's file I/O, and what runs it: the runner returns the step's per-key results, or None
 # when it gave up waiting (the step may still be running; ``int``: its staging bytes).
@@ -253,13 +256,18 @@ class PoolStore:
             [ChunkWrite(p, chunks, data[todo[k]]) for p, k in zip(pendings, new, strict=True)]
         )
         complete: list[tuple[int, PendingBlock]] = []
+        failed: list[tuple[bytes, BaseException]] = []
         for k, pending, error in zip(new, pendings, errors, strict=True):
-            if error is not None:
-                continue  # logged by the store; the temporary file is left for the others
+            if error is not None:  # the temporary file is left for the others
+                failed.append((pending.block_hash, error))
+                continue
             ok[k] = True
             if self.group.pending_complete(pending):
                 complete.append((k, pending))
+        if failed:
+            self._log_share_failures(failed, len(todo))
         if complete:
+            # A failed commit is logged by the store (one line per batch, with the reason).
             results = self.group.commit_blocks([p for _, p in complete])
             for (k, pending), result in zip(complete, results, strict=True):
                 if result.status is WriteStatus.FAILED:
@@ -267,6 +275,22 @@ class PoolStore:
                     # and our rename: then it is published and this share is in it.
                     ok[k] = self.group.contains([pending.block_hash])[0]
         return ok
+
+    def _log_share_failures(self, failed: list[tuple[bytes, BaseException]], total: int) -> None:
+        """One line per call for the shares this rank could not write (the store returns
+        these errors without logging them)."""
+        block, error = failed[0]
+        logger.warning(
+            "kvstore HiCache write: this rank's share of %d of %d pages not stored in %s "
+            "(pool %r), first: %s (%s: %s)",
+            len(failed),
+            total,
+            self.namespace,
+            self.name,
+            block.hex()[:16],
+            type(error).__name__,
+            error,
+        )
 
     def _token(self, block: bytes) -> str:
         """The temporary file's token every writer of ``block`` derives alike."""

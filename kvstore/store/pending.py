@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvstore.checksum import checksum_function
-from kvstore.errors import CorruptBlockError, KvstoreError
+from kvstore.errors import BlockMissingError, CorruptBlockError, KvstoreError
 from kvstore.io.engine import AnySegment
 from kvstore.io.types import Segment
 from kvstore.keys import check_hash
@@ -103,26 +103,49 @@ class PendingWriter:
 
         Returns, per item, None or the error (the caller then aborts the block).
         """
-        return self._write_then_sync(self.array.engine.map(self._write_chunks_one, writes))
+        written = self.array.engine.map(self._write_chunks_one, writes)
+        return self._write_then_sync([w.pending for w in writes], written)
 
     def write_ranges(self, writes: Sequence[RangeWrite]) -> list[BaseException | None]:
         """Each writer's byte ranges inside inner chunks; checksums are computed at commit."""
-        return self._write_then_sync(self.array.engine.map(self._write_ranges_one, writes))
+        written = self.array.engine.map(self._write_ranges_one, writes)
+        return self._write_then_sync([w.pending for w in writes], written)
 
     def _write_then_sync(
-        self, written: Sequence[str | BaseException]
+        self, pendings: Sequence[PendingBlock], written: Sequence[str | BaseException]
     ) -> list[BaseException | None]:
         """Sync the pending files a writer's batch wrote (all of them written first, as in
         :meth:`Publisher.write_blocks`); per item None or the error."""
         if self.array.engine.config.durable:
-            written = self.array.engine.map(self._sync_written, written)
+            items = list(zip(pendings, written, strict=True))
+            written = self.array.engine.map(self._sync_written, items)
         return [r if isinstance(r, BaseException) else None for r in written]
 
-    def _sync_written(self, path: str | BaseException) -> str:
+    def _sync_written(self, item: tuple[PendingBlock, str | BaseException]) -> str:
+        """Sync a pending file this writer wrote; if it is gone, the block it became.
+
+        Writers without a coordinator (SGLang's ranks, :meth:`is_complete`) race here: between
+        this writer's write and its sync, another writer of the block can find every checksum
+        slot filled - this writer's are written last - and publish the file by renaming it.
+        The published block then holds this writer's bytes, and syncing it is this sync. A
+        file gone without a published block (aborted, swept) stays an error."""
+        pending, path = item
         if isinstance(path, BaseException):
             raise path
-        self.files.sync_file(path)
+        try:
+            self.files.sync_file(path)
+        except FileNotFoundError:
+            if not self._sync_published(pending):
+                raise
         return path
+
+    def _sync_published(self, pending: PendingBlock) -> bool:
+        """Sync ``pending``'s published block file; False when there is none."""
+        try:
+            self.files.sync_file(self.array.block_path(pending.block_hash))
+        except FileNotFoundError:
+            return False
+        return True
 
     def _write_chunks_one(self, item: ChunkWrite) -> str:
         layout = self.array.layout
@@ -252,6 +275,14 @@ class PendingWriter:
                 return WriteStatus.WRITTEN, os.path.dirname(final), published
             array.engine.finish_file(tmp, array.layout.file_nbytes, slot_writes)
             published = self.files.publish_name(tmp, final)
+        except (FileNotFoundError, BlockMissingError):
+            array.remove_quietly(tmp)
+            if not self._fio.exists(final):
+                raise
+            # The temporary file became the block under our feet: another committer of it
+            # (writers without a coordinator each commit a block they find complete)
+            # published it since the existence check above.
+            return WriteStatus.EXISTS, None, None
         except BaseException:
             array.remove_quietly(tmp)
             raise

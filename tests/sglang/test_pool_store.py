@@ -4,7 +4,10 @@ writers that meet without a coordinator, and damaged data as misses. Runs withou
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -194,6 +197,58 @@ def test_two_writers_that_both_see_the_block_complete(tmp_path: Path) -> None:
     assert ranks[0].contains([h]) == [True]
     reader = _pool_store(tmp_path, _blank_like(full))
     assert _read(reader, [1], KEYS[:1]) == [True]
+
+
+def test_a_rank_whose_pages_another_rank_published_before_its_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 1 writes its shares; before it syncs them, rank 0 writes its own, finds the blocks
+    complete and publishes them (renames the temporary files away). Both ranks stored their
+    pages: SGLang fails a whole batch for one page a rank reports unstored."""
+    full = _full("page_first")
+    ranks = [
+        _pool_store(tmp_path, _slice(full, slice(r, r + 1), slice(None)), (r, 2)) for r in range(2)
+    ]
+    files = ranks[1].group._pending.files
+    real_sync = files.sync_file
+    first: list[list[bool | None]] = []
+    once = threading.Lock()  # the syncs of a batch run on the store's I/O threads
+
+    def rank0_publishes_first(path: str) -> None:
+        with once:
+            if not first:
+                first.append(_write(ranks[0], [0, 1, 2], KEYS[:3]))
+        real_sync(path)
+
+    monkeypatch.setattr(files, "sync_file", rank0_publishes_first)
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        assert _write(ranks[1], [0, 1, 2], KEYS[:3]) == [True] * 3
+    assert first == [[True] * 3]
+    assert caplog.records == []
+    assert ranks[1].contains([block_hash(k) for k in KEYS[:3]]) == [True] * 3
+    assert not list(tmp_path.rglob("*.tmp-*"))
+    reader = _pool_store(tmp_path, _blank_like(full))
+    assert _read(reader, [3, 4, 5], KEYS[:3]) == [True] * 3
+    assert _same_pages(reader, [3, 4, 5], _pool_store(tmp_path, full), [0, 1, 2])
+
+
+def test_a_share_not_written_is_logged_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    full = _full("page_head")
+    rank = _pool_store(tmp_path, _slice(full, slice(0, 1), slice(None)), (0, 2))
+    files = rank.group._pending.files
+
+    def failing_sync(path: str) -> None:
+        raise OSError(errno.EIO, "Input/output error", path)
+
+    monkeypatch.setattr(files, "sync_file", failing_sync)
+    with caplog.at_level(logging.WARNING, logger="kvstore.sglang"):
+        assert _write(rank, [0, 1], KEYS[:2]) == [False, False]
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "share of 2 of 2 pages not stored" in message
+    assert "OSError: [Errno 5] Input/output error" in message
 
 
 def _block_file(ps: PoolStore, key: str) -> Path:

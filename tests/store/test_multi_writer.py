@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import pickle
 from collections.abc import Callable
@@ -371,6 +372,83 @@ def test_writers_without_a_coordinator_meet_by_token(
     assert b.pending_complete(pb) and a.pending_complete(pa)
     (result,) = b.commit_blocks([pb])
     assert result.status is WriteStatus.WRITTEN
+    status, out = read_whole(a, h)
+    assert status is ReadStatus.HIT and bytes(out) == bytes(data)
+
+
+def test_a_writer_whose_file_is_published_before_its_sync_succeeds(
+    make_store: StoreFactory, small_identity: Identity, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a coordinator, a writer's checksum slots (written last) can complete the file
+    before that writer syncs it: the other writer then publishes it (renames it away). The
+    late sync finds the published block instead of the temporary file, and is a success."""
+    a, b = (make_store(durability="full").namespace(small_identity).group(0) for _ in range(2))
+    h = block_hash(21)
+    data = block_bytes(a.layout, 21)
+    n = a.layout.num_chunks
+    (pa,) = a.begin_blocks([h], tokens=["sg-race"])
+    (pb,) = b.begin_blocks([h], tokens=["sg-race"])
+    assert a.write_chunks([chunk_write(a, pa, data, list(range(n // 2)))]) == [None]
+    files = b._pending.files
+    real_sync = files.sync_file
+    synced: list[str] = []
+
+    def a_commits_first(path: str) -> None:
+        if not synced:  # b's slots are in: a publishes before b's sync
+            assert a.pending_complete(pa)
+            assert a.commit_blocks([pa])[0].status is WriteStatus.WRITTEN
+        synced.append(path)
+        real_sync(path)
+
+    monkeypatch.setattr(files, "sync_file", a_commits_first)
+    assert b.write_chunks([chunk_write(b, pb, data, list(range(n // 2, n)))]) == [None]
+    assert synced == [b.temp_path(pb), b.path_of(h)]  # the file, then the block it became
+    assert tmp_files(root) == []
+    status, out = read_whole(b, h)
+    assert status is ReadStatus.HIT and bytes(out) == bytes(data)
+    # Gone without a published block (aborted, swept): still an error.
+    (gone,) = b.begin_blocks([block_hash(22)], tokens=["sg-race"])
+
+    def swept_first(path: str) -> None:
+        b.abort_blocks([gone])
+        real_sync(path)
+
+    monkeypatch.setattr(files, "sync_file", swept_first)
+    (error,) = b.write_chunks([chunk_write(b, gone, data, [0])])
+    assert isinstance(error, FileNotFoundError)
+
+
+def test_a_commit_that_loses_the_race_finds_the_block(
+    make_store: StoreFactory,
+    small_identity: Identity,
+    root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two writers without a coordinator that both find the block complete both commit; the
+    one whose temporary file is renamed away mid-commit answers EXISTS, and logs nothing."""
+    a, b = writers(make_store, small_identity, 2)
+    h = block_hash(23)
+    data = block_bytes(a.layout, 23)
+    n = a.layout.num_chunks
+    (pa,) = a.begin_blocks([h], tokens=["sg-both"])
+    (pb,) = b.begin_blocks([h], tokens=["sg-both"])
+    assert a.write_chunks([chunk_write(a, pa, data, list(range(n // 2)))]) == [None]
+    assert b.write_chunks([chunk_write(b, pb, data, list(range(n // 2, n)))]) == [None]
+    assert a.pending_complete(pa) and b.pending_complete(pb)
+    pending_b = b._pending
+    real_check = pending_b._complete_checksums
+
+    def a_publishes_meanwhile(*args: object) -> object:  # after b's existence check
+        assert a.commit_blocks([pa])[0].status is WriteStatus.WRITTEN
+        return real_check(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pending_b, "_complete_checksums", a_publishes_meanwhile)
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        (result,) = b.commit_blocks([pb])
+    assert result.status is WriteStatus.EXISTS
+    assert caplog.records == []
+    assert tmp_files(root) == []
     status, out = read_whole(a, h)
     assert status is ReadStatus.HIT and bytes(out) == bytes(data)
 
