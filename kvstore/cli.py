@@ -16,7 +16,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from kvstore import checksum
+from kvstore import checksum, heap
 from kvstore.admin import commands as admin_commands
 from kvstore.cli_args import OneLineParser, positive_int, store_root
 from kvstore.errors import KvstoreError
@@ -164,7 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
     """The console script (and ``python -m kvstore.cli``): :func:`main` in a worker process
-    that a hung mount cannot keep from exiting (kvstore.io.supervise)."""
+    that a hung mount cannot keep from exiting (kvstore.io.supervise), with the collector
+    set for walks of millions of entries (kvstore/heap.py; the worker is forked: it inherits
+    them). Not in :func:`main`, which tests call in their own process."""
+    heap.tune_for_batch_tool()
     sys.exit(supervise.run(main))
 
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvstore import heap
 from kvstore.io.buffers import ThreadStaging
 from kvstore.io.dirlist import dir_entries
 from kvstore.io.native_fileio import DEFAULT_FILEIO
@@ -77,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.root.is_dir():
         parser.error(f"expected a store directory, got {args.root}")
+    heap.tune_for_batch_tool()  # as the tools run (kvstore/heap.py): a floor as low as theirs
     print(json.dumps(read_floor(args.root, args.threads)))
     return 0
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore import heap
 from kvstore.bench import verify_floor
 from kvstore.bench.lookup import ChainStore, measure_chain
 from kvstore.bench.read_floor import read_floor
@@ -130,6 +131,7 @@ def run(base: Path, sizes: Sequence[int], check_mib: int = 0) -> dict[str, Any]:
                 ran = run_command(argv)
                 ran["blocks_per_s"] = round(built.size / max(ran["seconds"], 1e-9))
                 at_size["commands"][name] = ran
+            heap.tune_for_batch_tool()  # the floor runs here, set as the tools are
             floor = read_floor(built.root, FLOOR_THREADS)
             floor["blocks_per_s"] = round(built.size / max(floor["seconds"], 1e-9))
             at_size["read_floor"] = floor

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore import heap
 from kvstore.admin.verify import VerifyOptions, verify_store
 from kvstore.bench.read_floor import read_floor
 from kvstore.config import StoreConfig
@@ -94,7 +95,9 @@ def measure(root: Path, blocks: int, file_nbytes: int) -> dict[str, Any]:
 
 
 def run(base: Path, total_mib: int, layers: tuple[int, ...] = LAYERS) -> list[dict[str, Any]]:
-    """Each block size in turn: build, measure, remove (one store on the disk at a time)."""
+    """Each block size in turn: build, measure, remove (one store on the disk at a time).
+    The collector is set as the tools set it (:mod:`kvstore.heap`), verify running here."""
+    heap.tune_for_batch_tool()
     rows = []
     for n in layers:
         root = base / f"verify-floor-{n}"

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore import heap
 from kvstore.cli_args import OneLineParser, positive_int, store_root
 from kvstore.errors import InspectError, KvstoreError
 from kvstore.inspect import block as block_view
@@ -470,7 +471,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
     """The console script (and ``python -m kvstore.inspect.cli``): :func:`main` in a worker
-    process that a hung mount cannot keep from exiting (kvstore.io.supervise)."""
+    process that a hung mount cannot keep from exiting (kvstore.io.supervise), with the
+    collector set for walks of millions of entries (kvstore/heap.py; the worker is forked: it
+    inherits them). Not in :func:`main`, which tests call in their own process."""
+    heap.tune_for_batch_tool()
     sys.exit(supervise.run(main))
 
 
