@@ -445,9 +445,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "scaling": _run_scaling,
     "compression": _run_compression,
     "overhead": _run_overhead,
-    "scale": lambda args, base: scale.run(
-        base, _ints(args.scale_sizes), int(args.scale_check_mib)
-    ),
+    "scale": lambda args, base: scale.run(base, _ints(args.scale_sizes), int(args.scale_check_mib)),
     "writers": lambda args, base: writers.run(
         base,
         _ints(args.writers_procs),
