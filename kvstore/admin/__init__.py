@@ -5,6 +5,7 @@ each module's ``run``:
 
 * :mod:`~kvstore.admin.scan` - walk a store cold (opened as :mod:`kvstore.store.view`):
   blocks, temp, foreign and held files;
+* :mod:`~kvstore.admin.usage` - what files hold: apparent and allocated bytes of an entry or a tree;
 * :mod:`~kvstore.admin.blockfile` - a verdict per block file (:mod:`kvstore.store.full_check`);
 * :mod:`~kvstore.admin.sizes` - ``10G`` / ``500MiB`` and ``7d`` / ``12h``, and printing them;
 * :mod:`~kvstore.admin.ls`, :mod:`~kvstore.admin.du` - what is in it, where the bytes are;

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.admin.report import print_json, print_lines, warn
-from kvstore.admin.scan import HeldFile, open_root, scan_store, tree_usage
+from kvstore.admin.scan import HeldFile, open_root, scan_store
 from kvstore.admin.sizes import format_size
 from kvstore.admin.trash import DEFAULT_GRACE_S, delete_held, expired, remove_namespace_dir
+from kvstore.admin.usage import tree_usage
 from kvstore.errors import KvstoreError
 from kvstore.io import stall
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from kvstore.admin.usage import allocated_bytes, listing_problem, tree_usage
 from kvstore.io.dirlist import EntryStat, ListedStat
 from kvstore.io.fileio import PROBE_PREFIX
 from kvstore.store import paths
@@ -188,12 +189,8 @@ def _listing(path: str | Path, unreadable: list[Problem]) -> list[tuple[str, Lis
     try:
         return paths.list_dir(path)
     except OSError as exc:
-        unreadable.append(Problem(Path(path), _why(exc)))
+        unreadable.append(Problem(Path(path), listing_problem(exc)))
         return []
-
-
-def _why(exc: OSError) -> str:
-    return f"cannot list: {exc.strerror or exc}"
 
 
 def scan_store(  # noqa: PLR0913 - the store, what of it, and keyword-only controls of what is kept or handed over, each documented
@@ -506,47 +503,10 @@ class _FanoutTask:
                 tally.add_many(sizes, helds, mtimes)
         except OSError as exc:
             # Unreadable (EACCES, EIO), or failing part-way: what was sorted before counts.
-            part.unreadable.append(Problem(Path(directory), _why(exc)))
+            part.unreadable.append(Problem(Path(directory), listing_problem(exc)))
         if batch:
             self._put(batch)
         return part
-
-
-def allocated_bytes(st: EntryStat) -> int:
-    """What a file holds on the disk: its allocated 512-byte units (``st_blocks``), and never
-    less than its size (a FUSE or network file system may report no blocks at all: gc must
-    not then see an empty store)."""
-    return max(st.st_blocks * 512, st.st_size)
-
-
-def tree_usage(path: str, unreadable: list[Problem] | None = None) -> tuple[int, int, int]:
-    """(files, bytes, allocated bytes) of every entry below ``path`` that is not a directory
-    (or of ``path`` itself); links are counted, never followed. Directories that cannot be
-    listed are appended to ``unreadable`` (when given) and counted as empty."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return 0, 0, 0
-    if not stat.S_ISDIR(st.st_mode):
-        return 1, st.st_size, allocated_bytes(st)
-    files = size = held = 0
-    pending = [path]
-    while pending:
-        directory = pending.pop()
-        try:
-            listed = paths.iter_dir(directory)
-            for name, est in listed:
-                if stat.S_ISDIR(est.st_mode):
-                    pending.append(f"{directory}{os.sep}{name}")
-                else:
-                    files += 1
-                    size += est.st_size
-                    held += allocated_bytes(est)
-        except OSError as exc:
-            if unreadable is not None:
-                unreadable.append(Problem(Path(directory), _why(exc)))
-            continue
-    return files, size, held
 
 
 def _entry(  # noqa: PLR0913 - one argument per Entry field a listed file fills; private to the scan

@@ -378,14 +378,6 @@ class _BlockChecker:
         for i, block in enumerate(blocks):
             assert block.group is not None
             by_array.setdefault((block.namespace or "", block.group), []).append(i)
-        if len(by_array) == 1:  # the usual task: one fan-out directory's blocks
-            ((key, _at),) = by_array.items()
-            batch = self._batch(key)
-            if batch is None:
-                return [False] * len(blocks)
-            return batch.intact(
-                [b.path for b in blocks], [b.hash_hi for b in blocks], [b.hash_lo for b in blocks]
-            )
         intact = [False] * len(blocks)
         for key, at in by_array.items():
             batch = self._batch(key)

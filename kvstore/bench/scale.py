@@ -110,6 +110,7 @@ def run(base: Path, sizes: Sequence[int], check_mib: int = 0) -> dict[str, Any]:
     """Grow one store through ``sizes``; at each, every command once (module doc). With
     ``check_mib``, then verify against its read floor at larger block sizes, on stores of
     about that many MiB (:mod:`kvstore.bench.verify_floor`)."""
+    heap.tune_for_batch_tool()  # the read floor runs in this process: set as the tools are
     built = ChainStore(base / "scale-store")
     rows: list[dict[str, Any]] = []
     try:
@@ -131,7 +132,6 @@ def run(base: Path, sizes: Sequence[int], check_mib: int = 0) -> dict[str, Any]:
                 ran = run_command(argv)
                 ran["blocks_per_s"] = round(built.size / max(ran["seconds"], 1e-9))
                 at_size["commands"][name] = ran
-            heap.tune_for_batch_tool()  # the floor runs here, set as the tools are
             floor = read_floor(built.root, FLOOR_THREADS)
             floor["blocks_per_s"] = round(built.size / max(floor["seconds"], 1e-9))
             at_size["read_floor"] = floor
